@@ -1,0 +1,448 @@
+"""Checkpoints on disk: list tensors from headers, read them in bounded chunks, write them atomically."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from clipcli.checkpoint import _numpy, _safetensors
+from clipcli.checkpoint._files import atomic_write, read_head, resolve_target, sniff
+from clipcli.errors import (
+    ClipcliError,
+    FileTypeError,
+    InputError,
+    MalformedError,
+    MissingFileError,
+    UnsupportedError,
+    WriteError,
+)
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Checkpoint",
+    "TensorInfo",
+    "open_checkpoint",
+    "output_kind",
+    "save",
+]
+
+CHUNK_BYTES = 16 << 20
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as its file's header describes it; `array_dtype` is None for types carried as bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+    array_dtype: np.dtype | None = field(repr=False)
+    fortran_order: bool = field(default=False, repr=False)
+    _location: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def output_kind(path: Path) -> str:
+    """The format a path names: 'safetensors', 'npz', 'npy', 'index' or 'directory'."""
+    name = path.name
+    if name.endswith(INDEX_SUFFIX):
+        return "index"
+    for suffix in ("safetensors", "npz", "npy"):
+        if name.endswith("." + suffix):
+            return suffix
+    return "directory"
+
+
+class Checkpoint:
+    """An open checkpoint: its tensors in file order, its metadata, and chunked reads.
+
+    Use as a context manager, or call `close()`.
+    """
+
+    def __init__(self, path: Path, fmt: str, metadata: dict[str, str], tensors: list[TensorInfo],
+                 files: list[Path], index: dict[str, Any] | None = None):
+        self.path = path
+        self.format = fmt
+        self.metadata = metadata
+        self.tensors = tensors
+        self.files = files
+        self.index = index
+        self._handles: dict[Any, BinaryIO] = {}
+        self._zips: dict[str, zipfile.ZipFile] = {}
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        for z in self._zips.values():
+            z.close()
+        self._handles.clear()
+        self._zips.clear()
+
+    def chunks(self, info: TensorInfo, max_bytes: int = CHUNK_BYTES, align: int = 1) -> Iterator[np.ndarray]:
+        """The tensor's values as flat arrays in storage order, each at most about `max_bytes`.
+
+        Every chunk but the last holds a multiple of `align` elements (at least `align`). Chunks are views
+        of one reused buffer: each is valid only until the next is produced. Types carried as bytes
+        (`array_dtype` None) come as uint8.
+
+        Raises:
+            MalformedError: when the file turns out shorter than its header said.
+        """
+        dtype = info.array_dtype if info.array_dtype is not None else np.dtype(np.uint8)
+        itemsize = dtype.itemsize
+        total = info.nbytes
+        if info.array_dtype is None:
+            per_chunk = max(max_bytes, 1)
+        else:
+            align = max(align, 1)
+            per_chunk = max(max_bytes // (itemsize * align), 1) * align * itemsize
+        per_chunk = min(per_chunk, total) or 1
+        buf = np.empty(per_chunk, dtype=np.uint8)
+        stream = self._open_stream(info)
+        try:
+            done = 0
+            while done < total:
+                n = min(per_chunk, total - done)
+                _read_exactly(stream, memoryview(buf)[:n], info)
+                done += n
+                chunk = buf[:n].view(dtype)
+                yield chunk if dtype.isnative else chunk.astype(dtype.newbyteorder("="))
+        finally:
+            if isinstance(info._location, _NpzLocation):
+                stream.close()
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """The whole tensor as an array of its shape in C order (for small tensors and tests)."""
+        dtype = info.array_dtype if info.array_dtype is not None else np.dtype(np.uint8)
+        flat = np.concatenate([c.copy() for c in self.chunks(info)] or [np.empty(0, dtype)])
+        if info.array_dtype is None:
+            return flat
+        return np.ascontiguousarray(flat.reshape(info.shape, order="F" if info.fortran_order else "C"))
+
+    def _open_stream(self, info: TensorInfo) -> BinaryIO:
+        loc = info._location
+        if isinstance(loc, _NpzLocation):
+            z = self._zips.get(info.file)
+            if z is None:
+                z = self._zips[info.file] = zipfile.ZipFile(info.file)
+            stream = z.open(loc.member)
+            stream.read(loc.data_offset)
+            return stream
+        f = self._handles.get(info.file)
+        if f is None:
+            try:
+                f = self._handles[info.file] = open(info.file, "rb", buffering=0)  # noqa: SIM115 (closed in close())
+            except OSError as e:
+                raise MissingFileError(e.strerror or str(e), info.file) from e
+        f.seek(loc)
+        return f
+
+
+@dataclass(frozen=True)
+class _NpzLocation:
+    member: str
+    data_offset: int
+
+
+def _read_exactly(stream: BinaryIO, view: memoryview, info: TensorInfo) -> None:
+    got = 0
+    try:
+        while got < len(view):
+            n = stream.readinto(view[got:])
+            if not n:
+                raise MalformedError("the file ends before the tensor's data does", info.file, info.name)
+            got += n
+    except (zipfile.BadZipFile, EOFError) as e:
+        raise MalformedError(f"corrupt zip member ({e})", info.file, info.name) from e
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror or e}", info.file, info.name) from e
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Opens a .safetensors, sharded (index or directory), .npz or .npy checkpoint, reading headers only.
+
+    Raises:
+        MissingFileError, FileTypeError, MalformedError, UnsupportedError: as the input deserves.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise MissingFileError("no such file or directory", path)
+    kind = output_kind(path)
+    try:
+        if path.is_dir():
+            return _open_directory(path)
+        if kind == "index":
+            return _open_index(path)
+        if kind == "safetensors":
+            metadata, tensors = _read_safetensors(path)
+            return Checkpoint(path, "safetensors", metadata, tensors, [path])
+        if kind == "npz":
+            return Checkpoint(path, "npz", {}, _read_npz(path), [path])
+        if kind == "npy":
+            return Checkpoint(path, "npy", {}, [_read_npy(path)], [path])
+    except ClipcliError as e:
+        if e.path is None:
+            e.path = str(path)
+        raise
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror or e}", path) from e
+    raise FileTypeError(
+        f"unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz or .npy); "
+        f"the file looks like {sniff(read_head(path))}",
+        path,
+    )
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        metadata, entries = _safetensors.read_header(path, f, size)
+    return metadata, [
+        TensorInfo(e.name, e.dtype.name, e.shape, e.nbytes, str(path), e.dtype.array, False, e.start)
+        for e in entries
+    ]
+
+
+def _read_npy(path: Path) -> TensorInfo:
+    with open(path, "rb") as f:
+        if not f.read(6) == _numpy.MAGIC:
+            raise FileTypeError(f"not a .npy file: {sniff(read_head(path))}", path)
+        f.seek(0)
+        header = _numpy.read_npy_header(f)
+        size = os.fstat(f.fileno()).st_size
+    if header.data_offset + header.nbytes != size:
+        raise MalformedError(
+            f"shape {header.shape} of {header.dtype.name} needs {header.nbytes} bytes of data, "
+            f"the file holds {size - header.data_offset}",
+            path,
+        )
+    return TensorInfo(path.name[: -len(".npy")], header.dtype.newbyteorder("=").name, header.shape,
+                      header.nbytes, str(path), header.dtype, header.fortran_order, header.data_offset)
+
+
+def _read_npz(path: Path) -> list[TensorInfo]:
+    if read_head(path, 4)[:2] != b"PK":
+        raise FileTypeError(f"not an .npz file: {sniff(read_head(path))}", path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            tensors = []
+            seen: set[str] = set()
+            for member in z.infolist():
+                if member.is_dir():
+                    continue
+                name = _numpy.tensor_name(member.filename)
+                if name in seen:
+                    raise MalformedError("two members hold this tensor", path, name)
+                seen.add(name)
+                try:
+                    with z.open(member) as stream:
+                        header = _numpy.read_npy_header(stream)
+                except ClipcliError as e:
+                    e.tensor = name
+                    raise
+                if header.data_offset + header.nbytes != member.file_size:
+                    raise MalformedError(
+                        f"the member holds {member.file_size} bytes but its header declares "
+                        f"{header.data_offset + header.nbytes}",
+                        path,
+                        name,
+                    )
+                tensors.append(TensorInfo(name, header.dtype.newbyteorder("=").name, header.shape, header.nbytes,
+                                          str(path), header.dtype, header.fortran_order,
+                                          _NpzLocation(member.filename, header.data_offset)))
+            return tensors
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError, ValueError) as e:
+        raise MalformedError(f"not a valid zip archive ({e})", path) from e
+
+
+def _open_index(path: Path) -> Checkpoint:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MalformedError(f"the index is not valid JSON ({e})", path) from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise MalformedError("the index has no 'weight_map' of tensor names to shard files", path)
+    shards: list[str] = []
+    for shard in weight_map.values():
+        if shard not in shards:
+            shards.append(shard)
+    for shard in shards:
+        if os.path.isabs(shard) or ".." in Path(shard).parts:
+            raise MalformedError(f"shard path {shard!r} leaves the checkpoint's directory", path)
+    tensors, metadata = [], {}
+    for shard in shards:
+        shard_path = path.parent / shard
+        if not shard_path.is_file():
+            raise MissingFileError(f"shard {shard} named by the index does not exist", path)
+        shard_meta, shard_tensors = _read_safetensors(shard_path)
+        metadata = metadata or shard_meta
+        for t in shard_tensors:
+            if weight_map.get(t.name) != shard:
+                raise MalformedError(f"the index does not map this tensor to {shard}", shard_path, t.name)
+        missing = sorted({n for n, s in weight_map.items() if s == shard} - {t.name for t in shard_tensors})
+        if missing:
+            raise MalformedError(f"tensor {missing[0]} named by the index is not in {shard}", path)
+        tensors.extend(shard_tensors)
+    return Checkpoint(path, "sharded", metadata, tensors, [path.parent / s for s in shards], index)
+
+
+def _open_directory(path: Path) -> Checkpoint:
+    indexes = sorted(path.glob("*" + INDEX_SUFFIX))
+    if len(indexes) > 1:
+        raise InputError(f"the directory holds {len(indexes)} index files; name one", path)
+    if indexes:
+        return _open_index(indexes[0])
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise MissingFileError("the directory holds no .safetensors files or index", path)
+    tensors, metadata, seen = [], {}, set()
+    for shard in shards:
+        shard_meta, shard_tensors = _read_safetensors(shard)
+        metadata = metadata or shard_meta
+        for t in shard_tensors:
+            if t.name in seen:
+                raise MalformedError("two shards hold this tensor", shard, t.name)
+            seen.add(t.name)
+        tensors.extend(shard_tensors)
+    return Checkpoint(path, "sharded", metadata, tensors, shards, None)
+
+
+ChunkSource = Callable[[TensorInfo], Iterable[np.ndarray]]
+
+
+def save(source: Checkpoint, out: str | os.PathLike[str], chunks: ChunkSource, in_place: bool = False) -> list[Path]:
+    """Writes every tensor of `source`, as `chunks(info)` produces it, to `out`; returns the files written.
+
+    The format follows `out`'s suffix; a sharded source written to a directory keeps its shard layout and
+    gets a rewritten index, written last. Each file is written atomically.
+
+    Raises:
+        UnsupportedError: for a conversion that would lose information (checked before writing anything).
+        WriteError: when a file cannot be written, or would overwrite an input without `in_place`.
+    """
+    out = Path(out)
+    plan = _plan(source, out)
+    inputs = {resolve_target(f) for f in source.files} | {resolve_target(source.path)}
+    for target, _ in plan:
+        if resolve_target(target) in inputs and not in_place:
+            raise WriteError("refusing to overwrite the input (use --in-place to replace it)", target)
+    written = []
+    for target, tensors in plan:
+        if target.suffix == ".json":
+            _write_index(target, source)
+        else:
+            _write_file(target, tensors, source.metadata, chunks)
+        written.append(target)
+    return written
+
+
+def _plan(source: Checkpoint, out: Path) -> list[tuple[Path, list[TensorInfo]]]:
+    kind = output_kind(out)
+    if kind in ("directory", "index"):
+        if source.format != "sharded":
+            raise WriteError("a directory output needs a sharded input; name a .safetensors, .npz or .npy file", out)
+        directory = out.parent if kind == "index" else out
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WriteError(f"cannot create the directory: {e.strerror or e}", directory) from e
+        plan = [(directory / f.name, [t for t in source.tensors if Path(t.file) == f]) for f in source.files]
+        if source.index is not None:
+            plan.append((out if kind == "index" else directory / source.path.name, []))
+        for target, tensors in plan:
+            if target.suffix != ".json":
+                _check_format(target, tensors)
+        return plan
+    _check_format(out, source.tensors)
+    return [(out, source.tensors)]
+
+
+def _check_format(target: Path, tensors: list[TensorInfo]) -> None:
+    kind = output_kind(target)
+    for t in tensors:
+        if kind == "safetensors":
+            if t.array_dtype is not None:
+                try:
+                    _safetensors.dtype_for(t.array_dtype)
+                except UnsupportedError as e:
+                    raise UnsupportedError(e.message, target, t.name) from e
+        else:
+            try:
+                _numpy.check_portable(t.array_dtype, t.name)
+            except UnsupportedError as e:
+                e.path = str(target)
+                raise
+    if kind == "npy" and len(tensors) != 1:
+        raise UnsupportedError(f"a .npy file holds one tensor, the checkpoint has {len(tensors)}", target)
+
+
+def _write_file(target: Path, tensors: list[TensorInfo], metadata: dict[str, str], chunks: ChunkSource) -> None:
+    kind = output_kind(target)
+    with atomic_write(target) as f:
+        if kind == "safetensors":
+            entries = [(t.name, _safetensors_dtype(t), t.shape, t.nbytes) for t in tensors]
+            f.write(_safetensors.header_bytes(entries, metadata))
+            for t in tensors:
+                _expect(t, _safetensors.write_data(f, _c_order(t, chunks)), target)
+        elif kind == "npy":
+            (t,) = tensors
+            f.write(_numpy.npy_header(t.array_dtype, t.shape, t.fortran_order))
+            _expect(t, _safetensors.write_data(f, chunks(t)), target)
+        else:
+            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+                for t in tensors:
+                    header = _numpy.npy_header(t.array_dtype, t.shape, t.fortran_order)
+                    info = _numpy.zip_member_info(_numpy.member_name(t.name), len(header) + t.nbytes)
+                    with z.open(info, "w", force_zip64=True) as member:
+                        member.write(header)
+                        _expect(t, _safetensors.write_data(member, chunks(t)), target)
+
+
+def _safetensors_dtype(t: TensorInfo) -> _safetensors.Dtype:
+    if t.array_dtype is not None:
+        return _safetensors.dtype_for(t.array_dtype)
+    return next(d for d in _safetensors.DTYPES.values() if d.name == t.dtype)
+
+
+def _c_order(t: TensorInfo, chunks: ChunkSource) -> Iterable[np.ndarray]:
+    """Chunks in C order; a Fortran-order tensor is transposed whole (it is held in memory)."""
+    if not t.fortran_order:
+        return chunks(t)
+    flat = np.concatenate([np.array(c) for c in chunks(t)] or [np.empty(0, t.array_dtype)])
+    return [np.ascontiguousarray(flat.reshape(t.shape, order="F")).reshape(-1)]
+
+
+def _expect(t: TensorInfo, written: int, target: Path) -> None:
+    if written != t.nbytes:
+        raise ClipcliError(f"wrote {written} bytes of the tensor, expected {t.nbytes}", target, t.name)
+
+
+def _write_index(target: Path, source: Checkpoint) -> None:
+    index = dict(source.index or {})
+    index["metadata"] = {**index.get("metadata", {}), "total_size": sum(t.nbytes for t in source.tensors)}
+    index["weight_map"] = {t.name: Path(t.file).name for t in source.tensors}
+    with atomic_write(target) as f:
+        f.write((json.dumps(index, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))

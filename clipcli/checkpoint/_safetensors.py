@@ -1,0 +1,214 @@
+"""The safetensors format: a header validated by the reference rules, and a streamed writer."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import ml_dtypes
+import numpy as np
+
+from clipcli.checkpoint._files import read_head, sniff
+from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
+
+MAX_HEADER = 100_000_000
+
+
+@dataclass(frozen=True)
+class Dtype:
+    """A safetensors dtype: its code, its NumPy / ml_dtypes name, its bits, and an array type if any."""
+
+    code: str
+    name: str
+    bits: int
+    array: np.dtype | None  # None: packed sub-byte or scale-only types, carried as bytes
+
+
+def _dtypes() -> dict[str, Dtype]:
+    table = [
+        ("BOOL", np.dtype(np.bool_)),
+        ("U8", np.dtype(np.uint8)),
+        ("I8", np.dtype(np.int8)),
+        ("U16", np.dtype(np.uint16)),
+        ("I16", np.dtype(np.int16)),
+        ("U32", np.dtype(np.uint32)),
+        ("I32", np.dtype(np.int32)),
+        ("U64", np.dtype(np.uint64)),
+        ("I64", np.dtype(np.int64)),
+        ("F16", np.dtype(np.float16)),
+        ("BF16", np.dtype(ml_dtypes.bfloat16)),
+        ("F32", np.dtype(np.float32)),
+        ("F64", np.dtype(np.float64)),
+        ("C64", np.dtype(np.complex64)),
+        ("F8_E4M3", np.dtype(ml_dtypes.float8_e4m3fn)),
+        ("F8_E5M2", np.dtype(ml_dtypes.float8_e5m2)),
+        ("F8_E4M3FNUZ", np.dtype(ml_dtypes.float8_e4m3fnuz)),
+        ("F8_E5M2FNUZ", np.dtype(ml_dtypes.float8_e5m2fnuz)),
+    ]
+    out = {code: Dtype(code, dt.name, dt.itemsize * 8, dt) for code, dt in table}
+    # Newer types with no arithmetic here (a scale type and packed sub-byte floats): carried as bytes.
+    for code, name, bits in [
+        ("F8_E8M0", "float8_e8m0fnu", 8),
+        ("F6_E2M3", "float6_e2m3fn", 6),
+        ("F6_E3M2", "float6_e3m2fn", 6),
+        ("F4", "float4_e2m1fn", 4),
+    ]:
+        out[code] = Dtype(code, name, bits, None)
+    return out
+
+
+DTYPES = _dtypes()
+BY_ARRAY_DTYPE = {d.array: d for d in DTYPES.values() if d.array is not None}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors header: its data lies at `start` (absolute) for `nbytes` bytes."""
+
+    name: str
+    dtype: Dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise MalformedError(f"duplicate key {key!r} in the header")
+        out[key] = value
+    return out
+
+
+def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], list[Entry]]:
+    """Parses and validates a safetensors header; returns the metadata and the tensors in data order.
+
+    Raises:
+        FileTypeError: when the file is evidently something else.
+        MalformedError: when a reference rule is broken.
+    """
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _not_safetensors(path, f"only {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER or 8 + n > size:
+        what = sniff(read_head(path))
+        if what != "a safetensors file":
+            raise FileTypeError(f"not a safetensors file: {what}", path)
+        if n > MAX_HEADER:
+            raise MalformedError(f"header length {n} exceeds the limit of {MAX_HEADER} bytes", path)
+        raise MalformedError(f"header length {n} runs past the end of the file ({size} bytes)", path)
+    raw = f.read(n)
+    if raw[:1] != b"{":
+        raise _not_safetensors(path, "the header does not start with '{'")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except MalformedError as e:
+        raise MalformedError(e.message, path) from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MalformedError(f"the header is not valid UTF-8 JSON ({_short(e)})", path) from e
+    if not isinstance(header, dict):
+        raise MalformedError("the header is not a JSON object", path)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise MalformedError("__metadata__ must map strings to strings", path)
+    entries = sorted((_entry(path, name, info, 8 + n) for name, info in header.items()), key=lambda e: e.start)
+    end = 8 + n
+    for e in entries:
+        if e.start != end:
+            raise MalformedError(
+                f"data offsets {e.start - 8 - n}..{e.start - 8 - n + e.nbytes} are not contiguous with "
+                f"the previous tensor (expected to start at {end - 8 - n})",
+                path,
+                e.name,
+            )
+        end += e.nbytes
+    if end != size:
+        raise MalformedError(
+            f"the tensors' data ends at byte {end - 8 - n} but the file holds {size - 8 - n} bytes of data", path
+        )
+    return metadata, entries
+
+
+def _short(e: Exception) -> str:
+    return str(e).split("\n")[0][:120]
+
+
+def _not_safetensors(path: Path, reason: str) -> Exception:
+    what = sniff(read_head(path))
+    if what != "a safetensors file":
+        return FileTypeError(f"not a safetensors file: {what}", path)
+    return MalformedError(reason, path)
+
+
+def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
+    if not isinstance(info, dict):
+        raise MalformedError("the tensor's entry is not a JSON object", path, name)
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise MalformedError("missing or non-string 'dtype'", path, name)
+    if dtype not in DTYPES:
+        raise UnsupportedError(f"unknown dtype {dtype!r}", path, name)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise MalformedError(f"'shape' must be a list of non-negative integers, got {json.dumps(shape)}", path, name)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise MalformedError(
+            f"'data_offsets' must be two non-negative integers, got {json.dumps(offsets)}", path, name
+        )
+    begin, end = offsets
+    if end < begin:
+        raise MalformedError(f"data offsets {begin}..{end} end before they begin", path, name)
+    d = DTYPES[dtype]
+    bits = math.prod(shape) * d.bits
+    if bits % 8 or bits // 8 != end - begin:
+        raise MalformedError(
+            f"shape {tuple(shape)} of {dtype} needs {bits / 8:g} bytes but data offsets {begin}..{end} "
+            f"hold {end - begin}",
+            path,
+            name,
+        )
+    return Entry(name, d, tuple(shape), base + begin, end - begin)
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:
+    """The length prefix and JSON header for tensors (name, dtype, shape, nbytes) laid out in order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype.code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # as the reference writer does: data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def dtype_for(array_dtype: np.dtype) -> Dtype:
+    """The safetensors dtype of a NumPy / ml_dtypes array type."""
+    d = BY_ARRAY_DTYPE.get(np.dtype(array_dtype).newbyteorder("="))
+    if d is None:
+        raise UnsupportedError(f"safetensors has no dtype for {np.dtype(array_dtype).name}")
+    return d
+
+
+def write_data(f: BinaryIO, chunks: Iterable[np.ndarray | bytes | memoryview]) -> int:
+    """Writes chunks as little-endian bytes; returns how many were written."""
+    written = 0
+    for chunk in chunks:
+        data = memoryview(np.ascontiguousarray(chunk).view(np.uint8)) if isinstance(chunk, np.ndarray) else chunk
+        f.write(data)
+        written += data.nbytes
+    return written

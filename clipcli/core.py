@@ -1,0 +1,513 @@
+"""Norms and TensorFlow's clipping operations on NumPy arrays, accumulated exactly in float64."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "BLOCK",
+    "NormAccumulator",
+    "NormStats",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "clip_scale",
+    "global_norm",
+    "is_floating",
+    "norm",
+    "parse_ord",
+    "scaled",
+]
+
+# Elements per partial sum. Partial sums are taken over fixed blocks counted from the start of
+# each tensor and then added exactly, so a norm does not depend on how a tensor is chunked.
+BLOCK = 1 << 13
+
+# Floating dtypes that NumPy does not know; every one of them widens exactly to float32.
+_ML_FLOATS = frozenset(
+    np.dtype(getattr(ml_dtypes, name))
+    for name in (
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e4m3b11fnuz",
+        "float8_e4m3",
+        "float8_e3m4",
+        "float8_e8m0fnu",
+        "float6_e2m3fn",
+        "float6_e3m2fn",
+        "float4_e2m1fn",
+    )
+    if hasattr(ml_dtypes, name)
+)
+
+# Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
+_SCALE_LIMIT = 600
+
+
+def is_floating(dtype: np.dtype) -> bool:
+    """Whether `dtype` is a real floating type, NumPy's own or one of ml_dtypes'."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype in _ML_FLOATS
+
+
+def _is_inexact(dtype: np.dtype) -> bool:
+    return is_floating(dtype) or np.dtype(dtype).kind == "c"
+
+
+def _check_inexact(t: np.ndarray, op: str) -> None:
+    if not _is_inexact(t.dtype):
+        raise TypeError(f"{op} needs a floating or complex tensor, got {t.dtype.name}")
+
+
+def parse_ord(ord: Any) -> float:
+    """The vector order as a float: 'euclidean' is 2, and any p > 0 or inf is accepted.
+
+    Raises:
+        ValueError: for any other order, as TensorFlow does.
+    """
+    if isinstance(ord, str):
+        if ord == "euclidean":
+            return 2.0
+        raise ValueError(f"'ord' must be 'euclidean', inf or a number > 0 for a vector norm, got {ord!r}")
+    if isinstance(ord, bool) or not isinstance(ord, (int, float, np.integer, np.floating)):
+        raise ValueError(f"'ord' must be a number, got {ord!r}")
+    p = float(ord)
+    if not p > 0:
+        raise ValueError(f"'ord' must be > 0, got {ord!r}")
+    return p
+
+
+def _magnitudes(x: np.ndarray) -> np.ndarray:
+    """The values of `x` as float64, widened exactly (complex values become their moduli)."""
+    if x.dtype.kind == "c":
+        return np.abs(x.astype(np.complex128, copy=False))
+    if x.dtype == np.float64:
+        return x
+    if x.dtype in _ML_FLOATS:
+        x = x.astype(np.float32)
+    return x.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class NormStats:
+    """The p-norm of a set of values, with their largest magnitude and non-finite counts."""
+
+    norm: float
+    max_abs: float
+    nan: int
+    inf: int
+    size: int
+
+
+class _ExactSum:
+    """An exact sum of non-negative terms `s * 2**k`, kept as a Python integer times 2**low."""
+
+    __slots__ = ("acc", "low")
+
+    def __init__(self) -> None:
+        self.acc = 0
+        self.low = 0
+
+    def add(self, s: float, k: int) -> None:
+        if s == 0.0:
+            return
+        mantissa, exponent = math.frexp(s)
+        m = int(mantissa * 9007199254740992.0)  # 2**53: the 53-bit integer mantissa
+        e = exponent - 53 + k
+        if e < self.low:
+            self.acc <<= self.low - e
+            self.low = e
+        self.acc += m << (e - self.low)
+
+    def merge(self, other: _ExactSum) -> None:
+        if other.acc:
+            self.add_int(other.acc, other.low)
+
+    def add_int(self, acc: int, low: int) -> None:
+        if low < self.low:
+            self.acc <<= self.low - low
+            self.low = low
+        self.acc += acc << (low - self.low)
+
+    def root(self, p: float) -> float:
+        """(acc * 2**low) ** (1/p), without overflow on the way; inf when the root itself overflows."""
+        if self.acc == 0:
+            return 0.0
+        shift = max(self.acc.bit_length() - 64, 0)
+        top, exponent = self.acc >> shift, self.low + shift
+        if p == 2.0:
+            if exponent % 2:
+                top, exponent = top << 1, exponent - 1
+            return _ldexp(math.sqrt(float(top)), exponent // 2)
+        whole = math.floor(exponent / p)
+        return _ldexp(float(top) ** (1.0 / p) * 2.0 ** (exponent / p - whole), whole)
+
+
+def _ldexp(x: float, e: int) -> float:
+    try:
+        return math.ldexp(x, e)
+    except OverflowError:
+        return math.inf
+
+
+class NormAccumulator:
+    """Streams chunks of values into a p-norm, with float64 block sums added exactly.
+
+    Feed one tensor's values in order with `add` (any chunk sizes: the result is the same bits), then
+    read `result()`. Accumulators of several tensors combine with `merge` into a global norm, again
+    exactly. Values are widened exactly to float64; blocks whose powers could overflow or underflow
+    float64 are rescaled by a power of two, so the norm of finite values is never inf or 0 by accident.
+
+    Args:
+        ord: the order p: 'euclidean' or 2, 1, inf, or any p > 0.
+    """
+
+    def __init__(self, ord: Any = 2) -> None:
+        self.p = parse_ord(ord)
+        self._sum = _ExactSum()
+        self._pending: np.ndarray | None = None
+        self.max_abs = 0.0
+        self.nan = 0
+        self.inf = 0
+        self.size = 0
+
+    def add(self, chunk: np.ndarray) -> None:
+        """Adds the next values of the tensor (any shape; taken in C order)."""
+        chunk = np.asarray(chunk)
+        _check_inexact(chunk, "a norm")
+        self.size += chunk.size
+        w = _magnitudes(chunk.reshape(-1))
+        if self._pending is not None:
+            need = BLOCK - self._pending.size
+            head = np.concatenate([self._pending, w[:need]])
+            w = w[need:]
+            if head.size < BLOCK:
+                self._pending = head
+                return
+            self._pending = None
+            self._add_blocks(head.reshape(1, BLOCK))
+        full = w.size - w.size % BLOCK
+        if full:
+            self._add_blocks(w[:full].reshape(-1, BLOCK))
+        if full < w.size:
+            self._pending = w[full:].copy()
+
+    def merge(self, other: NormAccumulator) -> None:
+        """Adds the values `other` has seen, as a separate tensor."""
+        if other.p != self.p:
+            raise ValueError("cannot merge norms of different orders")
+        other._flush()
+        self._sum.merge(other._sum)
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.nan += other.nan
+        self.inf += other.inf
+        self.size += other.size
+
+    def result(self) -> NormStats:
+        """The norm and statistics of everything added so far."""
+        self._flush()
+        if self.nan:
+            value = math.nan
+        elif self.inf:
+            value = math.inf
+        elif math.isinf(self.p):
+            value = self.max_abs
+        else:
+            value = self._sum.root(self.p)
+        return NormStats(value, self.max_abs, self.nan, self.inf, self.size)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self._add_blocks(self._pending.reshape(1, -1))
+            self._pending = None
+
+    def _add_blocks(self, w: np.ndarray) -> None:
+        m = np.maximum(w.max(axis=1), -w.min(axis=1))
+        finite = np.isfinite(m)
+        if not finite.all():
+            # Blocks holding NaN or inf make the norm NaN or inf; only their counts are needed.
+            bad = w[~finite]
+            nans = np.isnan(bad)
+            self.nan += int(np.count_nonzero(nans))
+            self.inf += int(np.count_nonzero(np.isinf(bad)))
+            if not nans.all():
+                self.max_abs = max(self.max_abs, float(np.abs(bad[~nans]).max()))
+            m, w = m[finite], w[finite]
+        if m.size == 0:
+            return
+        self.max_abs = max(self.max_abs, float(m.max()))
+        if math.isinf(self.p):
+            return
+        sums, k = _power_sums(w, m[:, None], self.p, axis=1)
+        for s, e in zip(sums.ravel().tolist(), k.ravel().tolist()):
+            self._sum.add(s, e)
+
+
+def _power_sums(w: np.ndarray, m: np.ndarray, p: float, axis: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Sums of |w|**p along `axis` as `s * 2**k`, rescaling slices whose powers leave float64's range.
+
+    `m` is the largest magnitude of each slice, with the reduced axes kept.
+    Returns `s` (float64) and `k` (int64) shaped like `m`.
+    """
+    e = np.frexp(m)[1].astype(np.int64)
+    e = np.where(np.abs(e) * p > _SCALE_LIMIT, e, 0)
+    if e.any():
+        w = np.ldexp(w, -e)
+    if p == 2.0:
+        powers = np.square(w)
+    elif p == 1.0:
+        powers = np.abs(w)
+    else:
+        powers = np.power(np.abs(w), p)
+    s = powers.sum(axis=axis, keepdims=True)
+    k = e * p
+    if p != int(p):
+        whole = np.floor(k)
+        s = s * np.exp2(k - whole)
+        k = whole
+    return s, k.astype(np.int64)
+
+
+def global_norm(t_list: Sequence[Any]) -> float:
+    """`tf.linalg.global_norm`: sqrt(sum(l2norm(t)**2 for t in t_list)), as float64.
+
+    Entries that are None are ignored. Accumulated exactly in float64 from widened values, so it is
+    right to about 1e-15 relative and never overflows on the way (TensorFlow: 3.8e-7 at 10**8).
+
+    Raises:
+        TypeError: if `t_list` is not a list or tuple, or holds an integer tensor.
+    """
+    _check_sequence(t_list)
+    total = NormAccumulator(2)
+    for t in t_list:
+        if t is not None:
+            total.merge(_stats_accumulator(np.asarray(t), 2))
+    return total.result().norm
+
+
+def _stats_accumulator(t: np.ndarray, ord: Any) -> NormAccumulator:
+    acc = NormAccumulator(ord)
+    acc.add(t)
+    return acc
+
+
+def _check_sequence(t_list: Any) -> None:
+    if not isinstance(t_list, Sequence) or isinstance(t_list, (str, bytes)):
+        raise TypeError(f"`t_list` should be a list or tuple of tensors, got {type(t_list).__name__}")
+
+
+def clip_scale(norm: Any, clip_norm: float) -> Any:
+    """The factor `clip_norm / max(norm, clip_norm)`, in float64; exactly 1.0 when norm <= clip_norm.
+
+    A NaN or infinite norm gives NaN, as in TensorFlow (every output becomes NaN).
+    """
+    norm = np.asarray(norm, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):  # norm 0 with clip_norm 0: scale stays 1
+        scale = np.where(norm <= clip_norm, 1.0, clip_norm / norm)
+    scale = np.where(np.isfinite(norm), scale, np.nan)
+    return scale if scale.ndim else float(scale)
+
+
+def scaled(t: np.ndarray, scale: Any) -> np.ndarray:
+    """`t * scale` rounded once to t's dtype: float32 arithmetic for <= 32-bit types, float64 for float64.
+
+    A scale of exactly 1.0 returns an identical copy (no ulp drift).
+    """
+    _check_inexact(t, "scaling")
+    scale = np.asarray(scale, dtype=np.float64)
+    if not scale.ndim and scale == 1.0:
+        return t.copy()
+    if t.dtype in (np.float64, np.complex128):
+        return (t * scale).astype(t.dtype, copy=False)
+    factor = scale.astype(np.float32)
+    if t.dtype in (np.float32, np.complex64):
+        return (t * factor).astype(t.dtype, copy=False)
+    with np.errstate(invalid="ignore", over="ignore"):  # rounding NaN/overflow into a narrow type is wanted
+        return (t.astype(np.float32) * factor).astype(t.dtype)
+
+
+def _as_tensor(t: Any) -> np.ndarray:
+    t = np.asarray(t)
+    if t.dtype == object:
+        raise TypeError("object arrays are not tensors")
+    return t
+
+
+def clip_by_value(t: Any, clip_value_min: Any, clip_value_max: Any) -> np.ndarray:
+    """`tf.clip_by_value`: min(max(t, clip_value_min), clip_value_max), computed as TensorFlow does.
+
+    The bounds are converted to t's dtype first (a bfloat16 tensor clipped at 0.1 is clipped at
+    0.10009765625); bounds may be tensors that broadcast to t's shape. NaN stays NaN; +-inf is clipped.
+
+    Raises:
+        TypeError: for a float bound on an integer tensor, or a boolean or complex tensor.
+        ValueError: when a bound would broadcast the result to a larger shape than t.
+    """
+    t = _as_tensor(t)
+    if t.dtype.kind in "bc":
+        raise TypeError(f"clip_by_value does not support {t.dtype.name} tensors")
+    lo, hi = _bound(clip_value_min, t.dtype), _bound(clip_value_max, t.dtype)
+    out = np.maximum(np.minimum(t, hi), lo)
+    if out.shape != t.shape:
+        raise ValueError(f"clip bounds of shape {lo.shape} and {hi.shape} would broadcast {t.shape} to {out.shape}")
+    return out.astype(t.dtype, copy=False)
+
+
+def _bound(value: Any, dtype: np.dtype) -> np.ndarray:
+    b = np.asarray(value)
+    if dtype.kind in "iu":
+        if not (b.dtype.kind in "iub"):
+            raise TypeError(f"cannot convert a {b.dtype.name} clip bound to an integer tensor's {dtype.name}")
+        info = np.iinfo(dtype)  # a bound beyond the range clips like the range's end
+        return np.clip(b, info.min, info.max).astype(dtype)
+    if b.dtype.kind not in "iuf" and b.dtype not in _ML_FLOATS:
+        raise TypeError(f"cannot convert a {b.dtype.name} clip bound to {dtype.name}")
+    with np.errstate(over="ignore"):  # a bound beyond the range becomes inf, which clips the same
+        return b.astype(dtype)
+
+
+def clip_by_norm(t: Any, clip_norm: float, axes: Any = None) -> np.ndarray:
+    """`tf.clip_by_norm`: t * clip_norm / max(l2norm(t, axes), clip_norm).
+
+    The norm is taken over `axes` (all of them by default; negative axes count from the end) and
+    computed exactly in float64. A tensor whose norm is at most `clip_norm` comes back bit-identical.
+    A negative `clip_norm` is treated as 0, as TensorFlow does.
+
+    Raises:
+        TypeError: for an integer or boolean tensor.
+        ValueError: for an axis out of range.
+    """
+    t = _as_tensor(t)
+    _check_inexact(t, "clip_by_norm")
+    clip_norm = max(float(clip_norm), 0.0)
+    axes = _normalize_axes(axes, t.ndim)
+    if axes is None or len(axes) == t.ndim:
+        return scaled(t, clip_scale(_stats_accumulator(t, 2).result().norm, clip_norm))
+    return scaled(t, clip_scale(_axis_norm(t, 2.0, axes), clip_norm))
+
+
+def _normalize_axes(axes: Any, ndim: int) -> tuple[int, ...] | None:
+    if axes is None:
+        return None
+    if isinstance(axes, (int, np.integer)):
+        axes = (axes,)
+    out = []
+    for a in axes:
+        a = int(a)
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for a tensor of rank {ndim}")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate axes in {tuple(axes)}")
+    return tuple(sorted(out))
+
+
+def _axis_norm(t: np.ndarray, p: float, axes: tuple[int, ...]) -> np.ndarray:
+    """The p-norm over `axes` of a floating or complex tensor, with the axes kept, as float64."""
+    w = _magnitudes(t)
+    with np.errstate(invalid="ignore"):  # max of an empty slice is handled below
+        m = np.abs(w).max(axis=axes, keepdims=True, initial=0.0)
+    if math.isinf(p):
+        return m
+    s, k = _power_sums(w, m, p, axis=axes)
+    root = np.sqrt(s) if p == 2.0 else s ** (1.0 / p)
+    with np.errstate(over="ignore"):  # a norm that does not fit float64 is inf
+        return root * np.exp2(k / p)
+
+
+def clip_by_global_norm(t_list: Sequence[Any], clip_norm: float, use_norm: Any = None) -> tuple[list[Any], float]:
+    """`tf.clip_by_global_norm`: each t * clip_norm / max(global_norm, clip_norm), with one scale.
+
+    Entries that are None stay None. If the global norm (or `use_norm`) is NaN or infinite every
+    output is NaN, as in TensorFlow. Tensors come back bit-identical when no clipping is needed.
+
+    Returns:
+        The clipped tensors and the global norm (the computed one, or `use_norm`) as float64.
+
+    Raises:
+        TypeError: if `t_list` is a single array rather than a list or tuple, or holds integers.
+    """
+    _check_sequence(t_list)
+    tensors = [None if t is None else _as_tensor(t) for t in t_list]
+    for t in tensors:
+        if t is not None:
+            _check_inexact(t, "clip_by_global_norm")
+    g = global_norm(tensors) if use_norm is None else float(use_norm)
+    scale = _global_scale(g, float(clip_norm))
+    return [None if t is None else scaled(t, scale) for t in tensors], g
+
+
+def _global_scale(g: float, clip_norm: float) -> float:
+    # TensorFlow computes clip_norm * min(1/g, 1/clip_norm): a negative clip_norm leaves the
+    # tensors as they are, a zero clip_norm zeroes them.
+    if clip_norm < 0 and math.isfinite(g):
+        return 1.0
+    return clip_scale(g, clip_norm)
+
+
+_MATRIX_ORDS = ("euclidean", "fro", 1, 2, math.inf)
+
+
+def norm(t: Any, ord: Any = "euclidean", axis: Any = None, keepdims: bool = False) -> Any:
+    """`tf.norm`: a vector norm over all values or one axis, or a matrix norm over two axes, as float64.
+
+    Vector orders: 'euclidean' (2), 1, inf and any p > 0. Matrix orders (a 2-axis `axis`): 'fro' and
+    'euclidean' (Frobenius), 1 (largest column sum), inf (largest row sum) and 2 (largest singular value).
+
+    Raises:
+        TypeError: for an integer or boolean tensor.
+        ValueError: for an unsupported order or axis.
+    """
+    t = _as_tensor(t)
+    _check_inexact(t, "norm")
+    if isinstance(axis, (list, tuple)) and len(axis) == 2:
+        axes: tuple[int, ...] = _matrix_axes(axis, t.ndim)
+        result = _matrix_norm(t, ord, axes)
+    elif axis is None:
+        axes = tuple(range(t.ndim))
+        result = np.full((1,) * t.ndim, _stats_accumulator(t, ord).result().norm)
+    else:
+        if isinstance(axis, (list, tuple)):
+            if len(axis) != 1:
+                raise ValueError(f"'axis' must be an int or a pair of ints, got {axis!r}")
+            axis = axis[0]
+        axes = _normalize_axes(axis, t.ndim) or ()
+        result = _axis_norm(t, parse_ord(ord), axes)
+    if not keepdims:
+        result = np.squeeze(result, axis=axes)
+    return float(result) if result.ndim == 0 else result
+
+
+def _matrix_axes(axis: Sequence[Any], ndim: int) -> tuple[int, int]:
+    a0, a1 = (int(a) for a in axis)
+    for a in (a0, a1):
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for a tensor of rank {ndim}")
+    a0, a1 = a0 % ndim, a1 % ndim
+    if a0 == a1:
+        raise ValueError(f"'axis' must name two different axes, got {tuple(axis)!r}")
+    return a0, a1
+
+
+def _matrix_norm(t: np.ndarray, ord: Any, axes: tuple[int, int]) -> np.ndarray:
+    rows, cols = axes
+    if isinstance(ord, bool) or ord not in _MATRIX_ORDS:
+        raise ValueError(f"'ord' must be one of 'fro', 'euclidean', 1, 2, inf for a matrix norm, got {ord!r}")
+    if ord in ("fro", "euclidean"):
+        return _axis_norm(t, 2.0, tuple(sorted(axes)))
+    if ord == 1:
+        return _axis_norm(t, 1.0, (rows,)).max(axis=cols, keepdims=True)
+    if ord == math.inf:
+        return _axis_norm(t, 1.0, (cols,)).max(axis=rows, keepdims=True)
+    w = np.moveaxis(_magnitudes(t) if t.dtype.kind != "c" else t.astype(np.complex128), (rows, cols), (-2, -1))
+    sigma = np.linalg.svd(w, compute_uv=False)[..., 0]
+    return np.expand_dims(sigma, axis=(rows, cols))

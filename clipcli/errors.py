@@ -1,0 +1,74 @@
+"""The exit statuses and the one exception hierarchy of clipcli; standard library only."""
+
+from __future__ import annotations
+
+import enum
+import os
+
+
+class ExitStatus(enum.IntEnum):
+    """Every exit status of the `clipcli` command."""
+
+    OK = 0
+    CHECK_FAILED = 1  # --fail-above / --fail-nonfinite tripped, or a clip needs a norm that is not finite
+    USAGE = 2  # a bad option or value (Click's own convention)
+    BAD_INPUT = 3  # missing file, wrong file type, malformed checkpoint, unsupported dtype or conversion
+    WRITE_FAILED = 4  # the output could not be written, or would overwrite the input
+    INTERNAL = 70  # a bug (EX_SOFTWARE)
+    INTERRUPTED = 130  # Ctrl-C
+
+
+class ClipcliError(Exception):
+    """An error with a message for the user: `<file>[: tensor <name>]: <what went wrong>`."""
+
+    status = ExitStatus.INTERNAL
+
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = None if path is None else os.fspath(path)
+        self.tensor = tensor
+
+    def __str__(self) -> str:
+        where = [] if self.path is None else [self.path]
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor}")
+        return ": ".join([*where, _one_line(self.message)])
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class InputError(ClipcliError):
+    """The input cannot be read as a checkpoint (exit 3)."""
+
+    status = ExitStatus.BAD_INPUT
+
+
+class MissingFileError(InputError):
+    """The input path does not exist or cannot be opened."""
+
+
+class FileTypeError(InputError):
+    """The file is not what its name says (an LFS pointer, an HTML page, a pickle, ...)."""
+
+
+class MalformedError(InputError):
+    """The file claims the right format but breaks its rules."""
+
+
+class UnsupportedError(InputError):
+    """A dtype or a conversion clipcli cannot carry out without losing information."""
+
+
+class WriteError(ClipcliError):
+    """The output could not be written, or writing it would destroy the input (exit 4)."""
+
+    status = ExitStatus.WRITE_FAILED
+
+
+class CheckFailedError(ClipcliError):
+    """A check the user asked for failed, or a clip needs a finite norm (exit 1)."""
+
+    status = ExitStatus.CHECK_FAILED

@@ -21,6 +21,7 @@ __all__ = [
     "global_norm",
     "is_floating",
     "norm",
+    "normalize_axes",
     "parse_ord",
     "scaled",
 ]
@@ -248,7 +249,7 @@ class NormAccumulator:
         if math.isinf(self.p):
             return
         sums, k = _power_sums(w, m[:, None], self.p, axis=1)
-        for s, e in zip(sums.ravel().tolist(), k.ravel().tolist()):
+        for s, e in zip(sums.ravel().tolist(), k.ravel().tolist(), strict=True):
             self._sum.add(s, e)
 
 
@@ -365,7 +366,7 @@ def clip_by_value(t: Any, clip_value_min: Any, clip_value_max: Any) -> np.ndarra
 def _bound(value: Any, dtype: np.dtype) -> np.ndarray:
     b = np.asarray(value)
     if dtype.kind in "iu":
-        if not (b.dtype.kind in "iub"):
+        if b.dtype.kind not in "iub":
             raise TypeError(f"cannot convert a {b.dtype.name} clip bound to an integer tensor's {dtype.name}")
         info = np.iinfo(dtype)  # a bound beyond the range clips like the range's end
         return np.clip(b, info.min, info.max).astype(dtype)
@@ -389,13 +390,18 @@ def clip_by_norm(t: Any, clip_norm: float, axes: Any = None) -> np.ndarray:
     t = _as_tensor(t)
     _check_inexact(t, "clip_by_norm")
     clip_norm = max(float(clip_norm), 0.0)
-    axes = _normalize_axes(axes, t.ndim)
+    axes = normalize_axes(axes, t.ndim)
     if axes is None or len(axes) == t.ndim:
         return scaled(t, clip_scale(_stats_accumulator(t, 2).result().norm, clip_norm))
     return scaled(t, clip_scale(_axis_norm(t, 2.0, axes), clip_norm))
 
 
-def _normalize_axes(axes: Any, ndim: int) -> tuple[int, ...] | None:
+def normalize_axes(axes: Any, ndim: int) -> tuple[int, ...] | None:
+    """Axes as sorted non-negative ints (None stays None).
+
+    Raises:
+        ValueError: for an axis out of range or a repeated axis.
+    """
     if axes is None:
         return None
     if isinstance(axes, (int, np.integer)):
@@ -480,7 +486,7 @@ def norm(t: Any, ord: Any = "euclidean", axis: Any = None, keepdims: bool = Fals
             if len(axis) != 1:
                 raise ValueError(f"'axis' must be an int or a pair of ints, got {axis!r}")
             axis = axis[0]
-        axes = _normalize_axes(axis, t.ndim) or ()
+        axes = normalize_axes(axis, t.ndim) or ()
         result = _axis_norm(t, parse_ord(ord), axes)
     if not keepdims:
         result = np.squeeze(result, axis=axes)

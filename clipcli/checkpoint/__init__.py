@@ -73,8 +73,15 @@ class Checkpoint:
     Use as a context manager, or call `close()`.
     """
 
-    def __init__(self, path: Path, fmt: str, metadata: dict[str, str], tensors: list[TensorInfo],
-                 files: list[Path], index: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        fmt: str,
+        metadata: dict[str, str],
+        tensors: list[TensorInfo],
+        files: list[Path],
+        index: dict[str, Any] | None = None,
+    ):
         self.path = path
         self.format = fmt
         self.metadata = metadata
@@ -218,8 +225,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
         size = os.fstat(f.fileno()).st_size
         metadata, entries = _safetensors.read_header(path, f, size)
     return metadata, [
-        TensorInfo(e.name, e.dtype.name, e.shape, e.nbytes, str(path), e.dtype.array, False, e.start)
-        for e in entries
+        TensorInfo(e.name, e.dtype.name, e.shape, e.nbytes, str(path), e.dtype.array, False, e.start) for e in entries
     ]
 
 
@@ -236,8 +242,16 @@ def _read_npy(path: Path) -> TensorInfo:
             f"the file holds {size - header.data_offset}",
             path,
         )
-    return TensorInfo(path.name[: -len(".npy")], header.dtype.newbyteorder("=").name, header.shape,
-                      header.nbytes, str(path), header.dtype, header.fortran_order, header.data_offset)
+    return TensorInfo(
+        path.name[: -len(".npy")],
+        header.dtype.newbyteorder("=").name,
+        header.shape,
+        header.nbytes,
+        str(path),
+        header.dtype,
+        header.fortran_order,
+        header.data_offset,
+    )
 
 
 def _read_npz(path: Path) -> list[TensorInfo]:
@@ -267,9 +281,18 @@ def _read_npz(path: Path) -> list[TensorInfo]:
                         path,
                         name,
                     )
-                tensors.append(TensorInfo(name, header.dtype.newbyteorder("=").name, header.shape, header.nbytes,
-                                          str(path), header.dtype, header.fortran_order,
-                                          _NpzLocation(member.filename, header.data_offset)))
+                tensors.append(
+                    TensorInfo(
+                        name,
+                        header.dtype.newbyteorder("=").name,
+                        header.shape,
+                        header.nbytes,
+                        str(path),
+                        header.dtype,
+                        header.fortran_order,
+                        _NpzLocation(member.filename, header.data_offset),
+                    )
+                )
             return tensors
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError, ValueError) as e:
         raise MalformedError(f"not a valid zip archive ({e})", path) from e

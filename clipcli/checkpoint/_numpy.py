@@ -64,7 +64,9 @@ def read_npy_header(f: BinaryIO) -> NpyHeader:
     if not isinstance(d, dict) or set(d) != {"descr", "fortran_order", "shape"}:
         raise MalformedError("the .npy header must be a dict with exactly 'descr', 'fortran_order' and 'shape'")
     shape, fortran, descr = d["shape"], d["fortran_order"], d["descr"]
-    if not isinstance(shape, tuple) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
+    if not isinstance(shape, tuple) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
+    ):
         raise MalformedError(f"'shape' must be a tuple of non-negative integers, got {shape!r}")
     if not isinstance(fortran, bool):
         raise MalformedError(f"'fortran_order' must be True or False, got {fortran!r}")

@@ -160,9 +160,7 @@ def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise MalformedError(f"'shape' must be a list of non-negative integers, got {json.dumps(shape)}", path, name)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise MalformedError(
-            f"'data_offsets' must be two non-negative integers, got {json.dumps(offsets)}", path, name
-        )
+        raise MalformedError(f"'data_offsets' must be two non-negative integers, got {json.dumps(offsets)}", path, name)
     begin, end = offsets
     if end < begin:
         raise MalformedError(f"data offsets {begin}..{end} end before they begin", path, name)

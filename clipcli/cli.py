@@ -1,0 +1,549 @@
+"""The `clipcli` command: parse options, call the layers below, map errors to exit statuses."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+from clipcli import __version__
+from clipcli.errors import ClipcliError, ExitStatus
+
+if TYPE_CHECKING:
+    from clipcli.report import CheckpointReport
+
+app = typer.Typer(
+    name="clipcli",
+    help="Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # a crash must never dump tensors
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+ISSUES_URL = "https://github.com/clipcli/clipcli/issues"
+PROGRESS_MIN_BYTES = 256 << 20
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+class SortKey(str, Enum):
+    name = "name"
+    norm = "norm"
+    size = "size"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"clipcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
+) -> None:
+    """Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.
+
+    Exit status: 0 success, 1 a check failed (--fail-above, --fail-nonfinite, a clip whose norm is not
+    finite), 2 usage error, 3 unreadable input, 4 output not written, 70 internal error, 130 interrupted.
+    """
+
+
+# --- Option types shared by the commands ------------------------------------------------------------
+
+Checkpoints = Annotated[
+    list[Path],
+    typer.Argument(
+        metavar="CKPT...",
+        help="Checkpoint files (.safetensors, .npz, .npy), sharded indexes (*.safetensors.index.json) or directories.",
+        show_default=False,
+    ),
+]
+OneCheckpoint = Annotated[
+    Path,
+    typer.Argument(
+        metavar="CKPT", help="The checkpoint to clip (a file, sharded index or directory).", show_default=False
+    ),
+]
+Include = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        metavar="GLOB",
+        help="Only tensors whose names match (repeatable; fnmatch syntax, e.g. 'model.layers.*.mlp.*').",
+    ),
+]
+Exclude = Annotated[
+    list[str] | None,
+    typer.Option("--exclude", metavar="GLOB", help="Leave out tensors whose names match (repeatable)."),
+]
+FormatOpt = Annotated[Format, typer.Option("--format", help="Report format on stdout.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No report on stdout; errors still go to stderr.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+Output = Annotated[
+    Path | None,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="OUT",
+        help="Where to write: a .safetensors/.npz/.npy file (the suffix "
+        "picks the format) or, for a sharded input, a directory.",
+    ),
+]
+InPlace = Annotated[bool, typer.Option("--in-place", help="Replace the input (atomically) instead of -o.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Compute and report, write nothing.")]
+ReportFile = Annotated[
+    Path | None, typer.Option("--report", metavar="FILE", help="Also write the report as JSON to FILE.")
+]
+AllowNonfinite = Annotated[
+    bool,
+    typer.Option(
+        "--allow-nonfinite",
+        help="Clip even when a norm is NaN or Inf, giving NaN outputs as TensorFlow does (default: refuse, exit 1).",
+    ),
+]
+
+
+# --- Error handling ---------------------------------------------------------------------------------
+
+
+def _fail(message: str, status: int) -> NoReturn:
+    typer.echo(f"clipcli: error: {message}", err=True)
+    raise typer.Exit(status)
+
+
+@contextlib.contextmanager
+def _errors(debug: bool) -> Iterator[None]:
+    """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo("clipcli: interrupted", err=True)
+        raise typer.Exit(ExitStatus.INTERRUPTED) from None
+    except BrokenPipeError:
+        # The reader of stdout went away (`clipcli ... | head`): not an error of ours.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(ExitStatus.OK) from None
+    except ClipcliError as e:
+        if debug:
+            raise
+        _fail(str(e), e.status)
+    except Exception as e:
+        if debug or type(e).__module__.split(".")[0] in ("typer", "click"):
+            raise  # Typer's own exits and usage errors
+        detail = " ".join(f"{type(e).__name__}: {e}".split())
+        _fail(
+            f"internal error ({detail}); this is a bug, please report it at {ISSUES_URL} with the output of --debug",
+            ExitStatus.INTERNAL,
+        )
+
+
+def _usage(message: str, param: str) -> NoReturn:
+    raise typer.BadParameter(message, param_hint=param)
+
+
+def _parse_float(text: str, param: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        _usage(f"{text!r} is not a number", param)
+    if math.isnan(value):
+        _usage("must be a number, not NaN", param)
+    return value
+
+
+def _positive_finite(value: float | None, param: str) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        _usage(f"must be a finite number > 0, got {value}", param)
+
+
+def _parse_ord(text: str) -> float:
+    if text.lower() in ("inf", "infinity"):
+        return math.inf
+    value = _parse_float(text, "--ord")
+    if not value > 0:
+        _usage(f"must be 1, 2, inf or any p > 0, got {text}", "--ord")
+    return value
+
+
+def _parse_axes(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        axes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        _usage(f"must be comma-separated integers such as 0,1 or -1, got {text!r}", "--axes")
+    if len(set(axes)) != len(axes):
+        _usage(f"names an axis twice: {text}", "--axes")
+    return axes
+
+
+# --- Output -----------------------------------------------------------------------------------------
+
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    terminal = stream.isatty()
+    no_color = "NO_COLOR" in os.environ or not terminal
+    width = None if terminal or "COLUMNS" in os.environ else 100_000
+    return Console(
+        file=stream,
+        no_color=no_color,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        width=width,
+        soft_wrap=False,
+        color_system=None if no_color else "auto",
+    )
+
+
+@contextlib.contextmanager
+def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr for long work, only when stderr is a terminal."""
+    if quiet or total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=_console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("reading", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _emit(
+    command: str, p: float, reports: list[CheckpointReport], fmt: Format, quiet: bool, report_file: Path | None = None
+) -> None:
+    from clipcli import report as render
+    from clipcli.checkpoint._files import atomic_write
+    from clipcli.commands import make_report
+
+    rep = make_report(command, p, reports)
+    if report_file is not None:
+        with atomic_write(report_file) as f:
+            f.write(render.to_json(rep).encode("utf-8"))
+    if quiet:
+        return
+    if fmt is Format.json:
+        sys.stdout.write(render.to_json(rep))
+    elif fmt is Format.csv:
+        sys.stdout.write(render.to_csv(rep))
+    else:
+        render.render_table(rep, _console())
+    sys.stdout.flush()
+
+
+def _selection(include: list[str] | None, exclude: list[str] | None) -> Any:
+    from clipcli.commands import Selection
+
+    return Selection(tuple(include or ()), tuple(exclude or ()))
+
+
+# --- Commands ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def inspect(
+    checkpoints: Checkpoints,
+    include: Include = None,
+    exclude: Exclude = None,
+    fmt: FormatOpt = Format.table,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """List tensor names, dtypes, shapes, sizes and the file's metadata, from the headers only."""
+    with _errors(debug):
+        from clipcli import commands
+        from clipcli.checkpoint import open_checkpoint
+
+        reports = []
+        for path in checkpoints:
+            with open_checkpoint(path) as ckpt:
+                reports.append(commands.inspect(ckpt, _selection(include, exclude)))
+        _emit("inspect", 2.0, reports, fmt, quiet)
+
+
+@app.command("global-norm")
+def global_norm(
+    checkpoints: Checkpoints,
+    ord: Annotated[str, typer.Option("--ord", help="The norm's order: 2, 1, inf or any p > 0.")] = "2",
+    depth: Annotated[
+        int | None,
+        typer.Option(
+            "--depth", min=1, metavar="N", help="Also group tensors by the first N dot-separated parts of their names."
+        ),
+    ] = None,
+    sort: Annotated[
+        SortKey | None,
+        typer.Option("--sort", help="Order the rows (norm and size: largest first; default: file order)."),
+    ] = None,
+    top: Annotated[
+        int | None,
+        typer.Option(
+            "--top", min=1, metavar="K", help="Show only the first K rows (the global norm still covers all)."
+        ),
+    ] = None,
+    fail_above: Annotated[
+        str | None,
+        typer.Option("--fail-above", metavar="X", help="Exit 1 if a global norm exceeds X or is not finite."),
+    ] = None,
+    fail_nonfinite: Annotated[
+        bool, typer.Option("--fail-nonfinite", help="Exit 1 if a selected tensor holds NaN or Inf.")
+    ] = False,
+    include: Include = None,
+    exclude: Exclude = None,
+    fmt: FormatOpt = Format.table,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Per-tensor norms, max |x|, NaN/Inf counts and shares, and the global norm (tf.linalg.global_norm)."""
+    p = _parse_ord(ord)
+    limit = None if fail_above is None else _parse_float(fail_above, "--fail-above")
+    with _errors(debug):
+        from clipcli import commands
+        from clipcli.checkpoint import open_checkpoint
+        from clipcli.errors import CheckFailedError
+
+        selection = _selection(include, exclude)
+        opened = [open_checkpoint(path) for path in checkpoints]
+        total = sum(t.nbytes for c in opened for t in c.tensors)
+        reports = []
+        with _progress(total, quiet) as progress:
+            for ckpt in opened:
+                with ckpt:
+                    reports.append(commands.global_norm(ckpt, selection, p, depth, sort and sort.value, top, progress))
+        _emit("global-norm", p, reports, fmt, quiet)
+        for r in reports:
+            if fail_nonfinite:
+                commands.check_nonfinite(r.path, r.tensors)
+            if limit is not None and not (r.global_norm <= limit):
+                raise CheckFailedError(
+                    f"global norm {r.global_norm!r} exceeds --fail-above {limit!r}"
+                    if math.isfinite(r.global_norm)
+                    else f"global norm is {r.global_norm!r}, not finite (--fail-above {limit!r})",
+                    r.path,
+                )
+
+
+def _clip(
+    command: str,
+    checkpoint: Path,
+    output: Path | None,
+    in_place: bool,
+    dry_run: bool,
+    allow_nonfinite: bool,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    fmt: Format,
+    quiet: bool,
+    report_file: Path | None,
+    run: Callable[..., CheckpointReport],
+) -> None:
+    from clipcli import commands
+    from clipcli.checkpoint import open_checkpoint
+
+    if in_place and output is not None:
+        _usage("give either -o/--output or --in-place, not both", "--in-place")
+    if output is None and not (in_place or dry_run):
+        _usage("missing; give -o OUT, --in-place or --dry-run", "-o/--output")
+    with open_checkpoint(checkpoint) as ckpt:
+        target = None if dry_run else (ckpt.path if in_place else output)
+        job = commands.ClipJob(target, in_place, allow_nonfinite)
+        with _progress(2 * sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
+            report = run(ckpt, _selection(include, exclude), job, progress=progress)
+    _emit(command, 2.0, [report], fmt, quiet, report_file)
+
+
+@app.command("clip-value")
+def clip_value(
+    checkpoint: OneCheckpoint,
+    min_: Annotated[
+        str,
+        typer.Option(
+            "--min",
+            metavar="A",
+            show_default=False,
+            help="Lower bound, rounded to each tensor's dtype as TensorFlow does (bfloat16 0.1 is 0.10009765625).",
+        ),
+    ],
+    max_: Annotated[
+        str,
+        typer.Option(
+            "--max", metavar="B", show_default=False, help="Upper bound, rounded to each tensor's dtype likewise."
+        ),
+    ],
+    output: Output = None,
+    in_place: InPlace = False,
+    dry_run: DryRun = False,
+    report_file: ReportFile = None,
+    include: Include = None,
+    exclude: Exclude = None,
+    fmt: FormatOpt = Format.table,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """tf.clip_by_value on every selected floating tensor: NaN stays NaN, +-inf is clipped to the bounds.
+
+    --min and --max are rounded to each tensor's dtype first, as TensorFlow does: a bfloat16 tensor
+    clipped at 0.1 is clipped at 0.10009765625.
+    """
+    lo, hi = _parse_float(min_, "--min"), _parse_float(max_, "--max")
+    if lo > hi:
+        _usage(f"--min {min_} exceeds --max {max_}", "--min")
+    with _errors(debug):
+        from clipcli import commands
+
+        _clip(
+            "clip-value",
+            checkpoint,
+            output,
+            in_place,
+            dry_run,
+            False,
+            include,
+            exclude,
+            fmt,
+            quiet,
+            report_file,
+            lambda *a, **k: commands.clip_value(*a, lo, hi, **k),
+        )
+
+
+@app.command("clip-norm")
+def clip_norm(
+    checkpoint: OneCheckpoint,
+    clip_norm: Annotated[
+        str,
+        typer.Option(
+            "--clip-norm",
+            metavar="N",
+            show_default=False,
+            help="The largest L2 norm a tensor (or slice) may keep; > 0.",
+        ),
+    ],
+    axes: Annotated[
+        str | None,
+        typer.Option(
+            "--axes",
+            metavar="AXES",
+            help="Norm over these axes only, e.g. 0,1 or -1 for per-row norms (default: the whole tensor).",
+        ),
+    ] = None,
+    output: Output = None,
+    in_place: InPlace = False,
+    dry_run: DryRun = False,
+    report_file: ReportFile = None,
+    allow_nonfinite: AllowNonfinite = False,
+    include: Include = None,
+    exclude: Exclude = None,
+    fmt: FormatOpt = Format.table,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """tf.clip_by_norm on each selected floating or complex tensor separately, optionally along axes.
+
+    A tensor whose rank is too small for --axes is passed through and listed as skipped.
+    """
+    c = _parse_float(clip_norm, "--clip-norm")
+    _positive_finite(c, "--clip-norm")
+    ax = _parse_axes(axes)
+    with _errors(debug):
+        from clipcli import commands
+
+        _clip(
+            "clip-norm",
+            checkpoint,
+            output,
+            in_place,
+            dry_run,
+            allow_nonfinite,
+            include,
+            exclude,
+            fmt,
+            quiet,
+            report_file,
+            lambda *a, **k: commands.clip_norm(*a, c, ax, **k),
+        )
+
+
+@app.command("clip-global-norm")
+def clip_global_norm(
+    checkpoint: OneCheckpoint,
+    clip_norm: Annotated[
+        str,
+        typer.Option(
+            "--clip-norm", metavar="N", show_default=False, help="The largest global L2 norm the tensors may keep; > 0."
+        ),
+    ],
+    use_norm: Annotated[
+        str | None,
+        typer.Option(
+            "--use-norm", metavar="G", help="Use G (finite, >= 0) as the global norm instead of computing it."
+        ),
+    ] = None,
+    output: Output = None,
+    in_place: InPlace = False,
+    dry_run: DryRun = False,
+    report_file: ReportFile = None,
+    allow_nonfinite: AllowNonfinite = False,
+    include: Include = None,
+    exclude: Exclude = None,
+    fmt: FormatOpt = Format.table,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """tf.clip_by_global_norm over all selected floating and complex tensors together: one common scale.
+
+    Reports the global norm before, the scale applied and the norm after.
+    """
+    c = _parse_float(clip_norm, "--clip-norm")
+    _positive_finite(c, "--clip-norm")
+    g = None if use_norm is None else _parse_float(use_norm, "--use-norm")
+    if g is not None and not (math.isfinite(g) and g >= 0):
+        _usage(f"must be a finite number >= 0, got {use_norm}", "--use-norm")
+    with _errors(debug):
+        from clipcli import commands
+
+        _clip(
+            "clip-global-norm",
+            checkpoint,
+            output,
+            in_place,
+            dry_run,
+            allow_nonfinite,
+            include,
+            exclude,
+            fmt,
+            quiet,
+            report_file,
+            lambda *a, **k: commands.clip_global_norm(*a, c, g, **k),
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script (and `python -m clipcli`): runs the app; exits with the contract's status."""
+    app(args=argv, prog_name="clipcli")

@@ -149,6 +149,10 @@ class _ExactSum:
             if exponent % 2:
                 top, exponent = top << 1, exponent - 1
             return _ldexp(math.sqrt(float(top)), exponent // 2)
+        if p == int(p) and p <= 64:
+            # An integer order splits the exponent exactly: (top * 2**r) ** (1/p) * 2**whole.
+            whole, r = divmod(exponent, int(p))
+            return _ldexp(float(top << r) ** (1.0 / p), whole)
         whole = math.floor(exponent / p)
         return _ldexp(float(top) ** (1.0 / p) * 2.0 ** (exponent / p - whole), whole)
 

@@ -81,8 +81,10 @@ class Checkpoint:
         tensors: list[TensorInfo],
         files: list[Path],
         index: dict[str, Any] | None = None,
+        index_path: Path | None = None,
     ):
         self.path = path
+        self.index_path = index_path
         self.format = fmt
         self.metadata = metadata
         self.tensors = tensors
@@ -329,7 +331,7 @@ def _open_index(path: Path) -> Checkpoint:
         if missing:
             raise MalformedError(f"tensor {missing[0]} named by the index is not in {shard}", path)
         tensors.extend(shard_tensors)
-    return Checkpoint(path, "sharded", metadata, tensors, [path.parent / s for s in shards], index)
+    return Checkpoint(path, "sharded", metadata, tensors, [path.parent / s for s in shards], index, path)
 
 
 def _open_directory(path: Path) -> Checkpoint:
@@ -337,7 +339,9 @@ def _open_directory(path: Path) -> Checkpoint:
     if len(indexes) > 1:
         raise InputError(f"the directory holds {len(indexes)} index files; name one", path)
     if indexes:
-        return _open_index(indexes[0])
+        ckpt = _open_index(indexes[0])
+        ckpt.path = path
+        return ckpt
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise MissingFileError("the directory holds no .safetensors files or index", path)
@@ -368,7 +372,7 @@ def save(source: Checkpoint, out: str | os.PathLike[str], chunks: ChunkSource, i
     """
     out = Path(out)
     plan = _plan(source, out)
-    inputs = {resolve_target(f) for f in source.files} | {resolve_target(source.path)}
+    inputs = {resolve_target(f) for f in [*source.files, source.path, source.index_path] if f is not None}
     for target, _ in plan:
         if resolve_target(target) in inputs and not in_place:
             raise WriteError("refusing to overwrite the input (use --in-place to replace it)", target)
@@ -393,8 +397,8 @@ def _plan(source: Checkpoint, out: Path) -> list[tuple[Path, list[TensorInfo]]]:
         except OSError as e:
             raise WriteError(f"cannot create the directory: {e.strerror or e}", directory) from e
         plan = [(directory / f.name, [t for t in source.tensors if Path(t.file) == f]) for f in source.files]
-        if source.index is not None:
-            plan.append((out if kind == "index" else directory / source.path.name, []))
+        if source.index_path is not None:
+            plan.append((out if kind == "index" else directory / source.index_path.name, []))
         for target, tensors in plan:
             if target.suffix != ".json":
                 _check_format(target, tensors)

@@ -1,0 +1,455 @@
+"""The NumPy core against the spec's worked examples, TensorFlow's edge cases and exact references."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from decimal import Decimal, getcontext
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import clipcli
+from clipcli import core
+from clipcli.core import NormAccumulator, clip_by_global_norm, clip_by_norm, clip_by_value, global_norm, norm
+
+F32 = np.float32
+
+
+def ulps32(a, b) -> np.ndarray:
+    """Distance in float32 ulps between two arrays of float32 values (exact, via the bit patterns)."""
+    a, b = np.asarray(a, F32).ravel(), np.asarray(b, F32).ravel()
+
+    def ordered(x):
+        i = x.view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    return np.abs(ordered(a) - ordered(b))
+
+
+def assert_within_ulps(actual, expected, ulps=2):
+    assert np.asarray(actual).shape == np.asarray(expected, F32).shape
+    d = ulps32(actual, expected)
+    assert d.max() <= ulps, (actual, expected, d)
+
+
+def exact_norm(values, p=2) -> float:
+    """The p-norm of float values (p = 1 or 2), from exact rational arithmetic, correctly rounded."""
+    total = sum((abs(Fraction(float(v))) ** p for v in np.asarray(values).ravel()), Fraction(0))
+    if p == 1:
+        return float(total)
+    getcontext().prec = 60
+    return float((Decimal(total.numerator) / Decimal(total.denominator)).sqrt())
+
+
+# --- The spec's worked examples (float32 inputs, within 2 ulps of the printed numbers) ----------------
+
+
+def test_clip_by_norm_doc_example():
+    out = clip_by_norm(np.array([[1, 2, 3, 4, 5]], F32), 2.0)
+    assert out.dtype == F32
+    assert_within_ulps(out, [[0.26967996, 0.5393599, 0.80903983, 1.0787199, 1.3483998]])
+
+
+def test_clip_by_norm_whole_tensor():
+    out = clip_by_norm(np.array([[-2, -1, 0], [1, 2, 3]], F32), 4)
+    assert_within_ulps(out, [[-1.8353258, -0.9176629, 0], [0.9176629, 1.8353258, 2.7529888]])
+
+
+def test_clip_by_norm_per_row():
+    out = clip_by_norm(np.array([[-2, -1, 0], [1, 2, 3]], F32), 3, axes=1)
+    assert_within_ulps(out, [[-2, -1, 0], [0.8017837, 1.6035674, 2.4053512]])
+
+
+def test_clip_by_global_norm_doc_example():
+    t = [np.array([[0, 1, 2], [3, 4, 5]], F32), np.array([[-2, -4], [2, 4]], F32)]
+    (a, b), g = clip_by_global_norm(t, 9)
+    assert_within_ulps(a, [[0, 0.9233805, 1.846761], [2.7701416, 3.693522, 4.6169024]])
+    assert_within_ulps(b, [[-1.846761, -3.693522], [1.846761, 3.693522]])
+    assert g == math.sqrt(95)
+    assert isinstance(g, float)
+
+
+def test_clip_by_global_norm_article_example():
+    t = [np.array([-2, 3, 6], F32), np.array([-4, 6, 12], F32)]
+    out, g = clip_by_global_norm(t, 14.5)
+    assert g == math.sqrt(49 + 196)
+    scale = 14.5 / math.sqrt(49 + 196)
+    for x, y in zip(t, out, strict=True):
+        assert_within_ulps(y, x.astype(np.float64) * scale, ulps=1)
+
+
+def test_clip_by_value_doc_example():
+    out = clip_by_value(np.array([-4, -2, 0, 2, 4, 6], F32), -2, 2)
+    np.testing.assert_array_equal(out, [-2, -2, 0, 2, 2, 2])
+    assert out.dtype == F32
+
+
+def test_norm_p_and_inf_examples():
+    t = np.linspace(-10, 8, 12).reshape(3, 4).astype(F32)
+    assert_within_ulps(norm(t, ord=1.5, axis=0), [12.364525, 11.0871725, 10.408293, 10.876119])
+    assert_within_ulps(norm(t, ord=np.inf, axis=1), [10, 3.4545455, 8])
+
+
+# --- TensorFlow's documented behaviour ----------------------------------------------------------------
+
+
+def test_clip_by_value_integer_tensor_with_float_bound_is_type_error():
+    a = np.array([[1, 20, 13], [3, 21, 13]], np.int32)
+    np.testing.assert_array_equal(clip_by_value(a, 0, 3), [[1, 3, 3], [3, 3, 3]])
+    with pytest.raises(TypeError):
+        clip_by_value(a, 0.0, 3.0)
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.complex64])
+def test_clip_by_value_rejects_bool_and_complex(dtype):
+    with pytest.raises(TypeError):
+        clip_by_value(np.zeros(3, dtype), 0, 1)
+
+
+def test_clip_by_value_broadcast_bounds():
+    t = np.array([[-5, 2, 3], [4, 5, 6]], F32)
+    out = clip_by_value(t, np.array([-4, 0, 0], F32), np.array([[4.4], [5.0]], F32))
+    np.testing.assert_array_equal(out, [[-4, 2, 3], [4, 5, 5]])
+
+
+def test_clip_by_value_bound_that_grows_the_shape_is_value_error():
+    with pytest.raises(ValueError, match="broadcast"):
+        clip_by_value(np.zeros(3, F32), np.zeros((2, 3), F32), 1)
+
+
+def test_clip_by_value_nonfinite_as_tensorflow():
+    t = np.array([np.nan, np.inf, -np.inf, 1.0], F32)
+    out = clip_by_value(t, -4.4, 4.4)
+    assert np.isnan(out[0])
+    np.testing.assert_array_equal(out[1:], np.array([4.4, -4.4, 1.0], F32))
+
+
+def test_clip_by_value_rounds_bounds_to_the_dtype():
+    t = np.array([0.5, 0.1, -1], ml_dtypes.bfloat16)
+    out = clip_by_value(t, -0.5, 0.1)
+    assert out.dtype == t.dtype
+    assert float(out[0]) == 0.10009765625  # bfloat16(0.1), as TensorFlow converts the bound
+
+
+def test_clip_by_value_integer_bound_beyond_range():
+    np.testing.assert_array_equal(clip_by_value(np.array([-128, 0, 127], np.int8), -1000, 300), [-128, 0, 127])
+
+
+def test_clip_by_norm_no_clipping_and_zero_norm():
+    t = np.array([[1.0, 0, 0], [1.0, 0, 0]], F32)
+    np.testing.assert_array_equal(clip_by_norm(t, 4.0), t)
+    z = np.zeros((2, 3), F32)
+    np.testing.assert_array_equal(clip_by_norm(z, 4.0), z)
+
+
+def test_clip_by_norm_tensorflow_simple_example():
+    out = clip_by_norm(np.array([[-3.0, 0, 0], [4.0, 0, 0]], F32), 4.0)
+    assert_within_ulps(out, [[-2.4, 0, 0], [3.2, 0, 0]], ulps=1)
+
+
+def test_clip_by_norm_negative_clip_norm_is_zero():
+    out = clip_by_norm(np.array([3.0, 4.0], F32), -1.0)
+    np.testing.assert_array_equal(out, [0, 0])
+    assert not np.signbit(out).any()
+
+
+def test_clip_by_norm_negative_axes():
+    t = np.arange(24, dtype=F32).reshape(2, 3, 4)
+    np.testing.assert_array_equal(clip_by_norm(t, 1.0, axes=-1), clip_by_norm(t, 1.0, axes=[2]))
+    np.testing.assert_array_equal(clip_by_norm(t, 1.0, axes=[0, 1, 2]), clip_by_norm(t, 1.0))
+
+
+def test_clip_by_norm_axis_out_of_range():
+    with pytest.raises(ValueError, match="out of range"):
+        clip_by_norm(np.zeros((2, 2), F32), 1.0, axes=2)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda t: clip_by_norm(t, 1.0),
+        lambda t: global_norm([t]),
+        lambda t: clip_by_global_norm([t], 1.0),
+        lambda t: norm(t),
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_])
+def test_norm_ops_reject_integer_tensors(op, dtype):
+    with pytest.raises(TypeError):
+        op(np.ones(3, dtype))
+
+
+@pytest.mark.parametrize("op", [global_norm, lambda t: clip_by_global_norm(t, 1.0)])
+@pytest.mark.parametrize("t_list", [np.ones(3, F32), "abc", 3.0])
+def test_global_ops_need_a_list(op, t_list):
+    with pytest.raises(TypeError):
+        op(t_list)
+
+
+def test_none_entries_are_ignored_and_kept_in_place():
+    t = [None, np.array([3.0, 4.0], F32), None]
+    assert global_norm(t) == 5.0
+    out, g = clip_by_global_norm(t, 1.0)
+    assert out[0] is None and out[2] is None
+    assert_within_ulps(out[1], [0.6, 0.8], ulps=1)
+    assert g == 5.0
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_nonfinite_global_norm_makes_every_output_nan(bad):
+    t = [np.array([1.0, bad], F32), np.array([2.0, 3.0], ml_dtypes.bfloat16), np.array([1.0])]
+    out, g = clip_by_global_norm(t, 1.0)
+    assert math.isnan(g) if math.isnan(bad) else g == math.inf
+    for x, y in zip(t, out, strict=True):
+        assert y.dtype == x.dtype
+        assert np.isnan(y.astype(np.float64)).all()
+
+
+def test_use_norm_replaces_the_computed_norm():
+    t = [np.array([3.0, 4.0], F32)]
+    out, g = clip_by_global_norm(t, 1.0, use_norm=10.0)
+    assert g == 10.0
+    assert_within_ulps(out[0], [0.3, 0.4], ulps=1)
+    out, _ = clip_by_global_norm(t, 1.0, use_norm=np.inf)
+    assert np.isnan(out[0]).all()
+
+
+def test_global_norm_tensorflow_test_case():
+    x0 = np.array([[-2.0, 0, 0], [4.0, 0, 0]], F32)
+    x1 = np.array([1.0, -2.0], F32)
+    (a, b), g = clip_by_global_norm([x0, x1], 6.0)
+    assert g == 5.0
+    np.testing.assert_array_equal(a, x0)
+    np.testing.assert_array_equal(b, x1)
+
+
+@pytest.mark.parametrize("ord", ["fro", "nuc", 0, -1, -np.inf, True, None, "max"])
+def test_vector_norm_rejects_other_orders(ord):
+    with pytest.raises(ValueError):
+        norm(np.ones(3, F32), ord=ord)
+
+
+@pytest.mark.parametrize("ord", [3, 0.5, "nuc", -1])
+def test_matrix_norm_rejects_other_orders(ord):
+    with pytest.raises(ValueError):
+        norm(np.ones((2, 2), F32), ord=ord, axis=(0, 1))
+
+
+@pytest.mark.parametrize("axis", [(0, 0), (0, 1, 2), 5])
+def test_norm_rejects_bad_axes(axis):
+    with pytest.raises(ValueError):
+        norm(np.ones((2, 2, 2), F32), axis=axis)
+
+
+@pytest.mark.parametrize("ord", ["fro", "euclidean", 1, 2, np.inf])
+def test_matrix_norms_against_numpy_in_float64(ord):
+    rng = np.random.default_rng(0)
+    t = rng.standard_normal((3, 5, 4)).astype(F32)
+    np_ord = "fro" if ord == "euclidean" else ord
+    expected = np.linalg.norm(t.astype(np.float64), ord=np_ord, axis=(1, 2))
+    np.testing.assert_allclose(norm(t, ord=ord, axis=(1, 2)), expected, rtol=1e-13)
+    kept = norm(t, ord=ord, axis=(1, 2), keepdims=True)
+    assert kept.shape == (3, 1, 1)
+
+
+def test_norm_keepdims_and_scalar_results():
+    t = np.arange(6, dtype=F32).reshape(2, 3)
+    assert isinstance(norm(t), float)
+    assert norm(t, keepdims=True).shape == (1, 1)
+    assert norm(t, axis=0, keepdims=True).shape == (1, 3)
+    assert norm(t, axis=[1]).shape == (2,)
+
+
+def test_norm_of_complex_values():
+    z = np.array([3 + 4j, 0, 1j], np.complex64)
+    assert norm(z) == math.sqrt(26)
+    assert norm(z, ord=1) == 6.0
+    assert norm(z, ord=np.inf) == 5.0
+    out = clip_by_norm(z, 1.0)
+    assert out.dtype == np.complex64
+    np.testing.assert_allclose(out, z / np.sqrt(26), rtol=2e-7)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, np.float16])
+def test_low_precision_dtypes(dtype):
+    t = np.array([3.0, -4.0, 0.5], dtype)
+    assert norm(t) == exact_norm(t.astype(np.float64))
+    out = clip_by_norm(t, 1.0)
+    assert out.dtype == np.dtype(dtype)
+    # one rounding of float32(x) * float32(scale) to the dtype
+    expected = (t.astype(F32) * F32(1.0 / exact_norm(t.astype(np.float64)))).astype(dtype)
+    np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+def test_mixed_dtypes_in_one_global_norm():
+    t = [np.array([3.0], ml_dtypes.bfloat16), np.array([4.0], np.float16), np.array([12.0]), np.array([0j + 84])]
+    assert global_norm(t) == 85.0
+
+
+# --- Better than TensorFlow: accuracy, range, no drift ----------------------------------------------
+
+
+def test_global_norm_of_ten_million_float32_tenths():
+    n = 10**7
+    x = np.full(n, 0.1, F32)
+    got = global_norm([x])
+    getcontext().prec = 60
+    exact = Decimal(float(F32(0.1))) * Decimal(n).sqrt()
+    assert abs(Decimal(got) - exact) / exact <= Decimal("1e-12")
+    assert abs(float(np.linalg.norm(x)) - float(exact)) / float(exact) > 1e-6  # the float32 baseline drifts
+
+
+def test_accuracy_on_random_values_against_fractions():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(200_003) * np.exp(rng.uniform(-20, 20, 200_003))).astype(F32)
+    assert abs(norm(x) - exact_norm(x)) <= 2e-15 * exact_norm(x)
+    assert abs(norm(x, ord=1) - exact_norm(x, 1)) <= 2e-15 * exact_norm(x, 1)
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "expected"),
+    [
+        ([300, 0], np.float16, 300.0),
+        ([1e20], F32, float(F32(1e20))),
+        ([1e-20], F32, float(F32(1e-20))),
+        ([1e30, 1e30, 1e30], F32, float(F32(1e30)) * math.sqrt(3)),
+        ([3e38, 3e38, 3e38], F32, float(F32(3e38)) * math.sqrt(3)),
+        ([1e-45, 0], F32, float(F32(1e-45))),  # a subnormal is not flushed
+        ([1e200, 1e200], np.float64, 1e200 * math.sqrt(2)),
+        ([1e-200, 1e-200], np.float64, 1e-200 * math.sqrt(2)),
+        ([1.5e308, 1.5e308], np.float64, math.inf),  # the true norm does not fit float64
+        ([5e-324, 0], np.float64, 5e-324),
+    ],
+)
+def test_no_overflow_or_underflow_on_the_way(values, dtype, expected):
+    got = norm(np.array(values, dtype))
+    assert got == pytest.approx(expected, rel=1e-15, abs=0)
+
+
+def test_p_norms_of_extreme_float64_values():
+    x = np.array([1e300, 2e300, 3e-300])
+    assert norm(x, ord=3) == pytest.approx(1e300 * 9 ** (1 / 3), rel=1e-14)
+    assert norm(x, ord=1) == pytest.approx(3e300, rel=1e-15)
+    assert norm(np.array([3e-300, 4e-300]), ord=0.5) == pytest.approx((math.sqrt(3) + 2) ** 2 * 1e-300, rel=1e-14)
+
+
+def test_norms_are_float64():
+    assert isinstance(global_norm([np.ones(3, np.float16)]), float)
+    assert norm(np.ones((2, 2), F32), axis=0).dtype == np.float64
+
+
+def test_within_the_bound_comes_back_bit_identical():
+    rng = np.random.default_rng(2)
+    for dtype in (F32, np.float16, ml_dtypes.bfloat16, np.float64):
+        t = rng.standard_normal(10_000).astype(dtype)
+        c = norm(t)
+        assert np.array_equal(clip_by_norm(t, c).view(np.uint8), t.view(np.uint8))
+        (out,), _ = clip_by_global_norm([t], c * 2)
+        assert np.array_equal(out.view(np.uint8), t.view(np.uint8))
+
+
+def test_inputs_are_never_mutated():
+    t = np.frombuffer(np.arange(8, dtype=F32).tobytes(), dtype=F32)  # read-only, like a file's buffer
+    assert not t.flags.writeable
+    clip_by_norm(t, 1.0)
+    clip_by_value(t, 1, 2)
+    clip_by_global_norm([t], 1.0)
+    np.testing.assert_array_equal(t, np.arange(8))
+
+
+# --- Hypothesis properties --------------------------------------------------------------------------
+
+finite32 = st.floats(-(2.0**100), 2.0**100, allow_nan=False, width=32)
+arrays32 = hnp.arrays(F32, hnp.array_shapes(min_dims=0, max_dims=3, max_side=6), elements=finite32)
+
+
+@given(arrays32, st.floats(1e-3, 1e3))
+def test_clipped_norm_is_at_most_the_bound(t, c):
+    out = clip_by_norm(t, c)
+    assert norm(out) <= c * (1 + 4e-7)
+    if norm(t) <= c:
+        assert np.array_equal(out, t)
+    else:
+        assert norm(out) == pytest.approx(c, rel=4e-7)
+
+
+@given(arrays32, st.floats(1e-3, 1e3))
+def test_clipping_twice_changes_almost_nothing(t, c):
+    once = clip_by_norm(t, c)
+    twice = clip_by_norm(once, c)
+    assert ulps32(once, twice).max(initial=0) <= 1
+
+
+@given(st.lists(arrays32, min_size=1, max_size=4), st.floats(1e-3, 1e3))
+def test_global_clip_uses_one_common_scale(ts, c):
+    out, g = clip_by_global_norm(ts, c)
+    scale = 1.0 if g <= c else c / g
+    for x, y in zip(ts, out, strict=True):
+        np.testing.assert_array_equal(y, x * F32(scale))
+    assert g == pytest.approx(exact_norm(np.concatenate([x.ravel() for x in ts])), rel=1e-15)
+
+
+@example(np.array([0.1] * 9000, F32), [8192])  # a split that lands inside the first block
+@given(hnp.arrays(F32, st.integers(0, 20_000), elements=finite32), st.lists(st.integers(0, 20_000), max_size=5))
+@settings(max_examples=50)
+def test_chunked_accumulation_gives_the_same_bits(x, cuts):
+    one = NormAccumulator(2)
+    one.add(x)
+    pieces = NormAccumulator(2)
+    for part in np.split(x, sorted(c for c in cuts if c <= x.size)):
+        pieces.add(part)
+    assert one.result() == pieces.result()
+
+
+@given(arrays32, st.sampled_from([1, 2, 3, 0.5, np.inf]))
+def test_norm_against_exact_fractions(t, p):
+    assume(t.size)
+    expected = float(np.max(np.abs(t.astype(np.float64)))) if p == np.inf else None
+    if p in (1, 2):
+        expected = exact_norm(t, p)
+    got = norm(t, ord=p)
+    if expected is None:
+        ref = float(sum(Fraction(abs(float(v))) ** 3 for v in t.ravel())) ** (1 / 3) if p == 3 else None
+        ref = ref if ref is not None else sum(abs(float(v)) ** 0.5 for v in t.ravel()) ** 2
+        assert got == pytest.approx(ref, rel=1e-13)
+    else:
+        assert got == pytest.approx(expected, rel=2e-16, abs=0)
+
+
+def test_merge_is_exact_for_values_far_apart():
+    big, small = NormAccumulator(2), NormAccumulator(2)
+    big.add(np.array([1e300]))
+    small.add(np.array([1e-300] * 3))
+    big.merge(small)
+    assert big.result().norm == 1e300
+    assert big.result().size == 4
+
+
+def test_counts_of_nan_and_inf_and_max_abs():
+    acc = NormAccumulator(2)
+    acc.add(np.array([1.0, np.nan, -np.inf, -7.0, np.nan], F32))
+    s = acc.result()
+    assert (s.nan, s.inf, s.max_abs, s.size) == (2, 1, math.inf, 5)
+    assert math.isnan(s.norm)
+
+
+# --- Packaging --------------------------------------------------------------------------------------
+
+
+def test_public_api_is_exported():
+    assert clipcli.clip_by_global_norm is core.clip_by_global_norm
+    for name in ("clip_by_value", "clip_by_norm", "global_norm", "norm"):
+        assert callable(getattr(clipcli, name))
+
+
+def test_core_imports_neither_typer_nor_rich():
+    code = "import sys, clipcli.core; print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -29,6 +29,8 @@ __all__ = [
 # Elements per partial sum. Partial sums are taken over fixed blocks counted from the start of
 # each tensor and then added exactly, so a norm does not depend on how a tensor is chunked.
 BLOCK = 1 << 13
+# Values are widened to float64 this many at a time, so temporaries stay small and in cache.
+_PIECE = 8 * BLOCK
 
 # Floating dtypes that NumPy does not know; every one of them widens exactly to float32.
 _ML_FLOATS = frozenset(
@@ -190,7 +192,11 @@ class NormAccumulator:
         chunk = np.asarray(chunk)
         _check_inexact(chunk, "a norm")
         self.size += chunk.size
-        w = _magnitudes(chunk.reshape(-1))
+        flat = chunk.reshape(-1)
+        for start in range(0, flat.size, _PIECE):
+            self._add_flat(_magnitudes(flat[start : start + _PIECE]))
+
+    def _add_flat(self, w: np.ndarray) -> None:
         if self._pending is not None:
             need = BLOCK - self._pending.size
             head = np.concatenate([self._pending, w[:need]])

@@ -34,7 +34,7 @@ __all__ = [
     "save",
 ]
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -50,6 +50,7 @@ class TensorInfo:
     array_dtype: np.dtype | None = field(repr=False)
     fortran_order: bool = field(default=False, repr=False)
     _location: Any = field(default=None, repr=False, compare=False)
+    _stored_dtype: np.dtype | None = field(default=None, repr=False, compare=False)  # if not native
 
     @property
     def size(self) -> int:
@@ -117,7 +118,7 @@ class Checkpoint:
         Raises:
             MalformedError: when the file turns out shorter than its header said.
         """
-        dtype = info.array_dtype if info.array_dtype is not None else np.dtype(np.uint8)
+        dtype = info._stored_dtype or info.array_dtype or np.dtype(np.uint8)
         itemsize = dtype.itemsize
         total = info.nbytes
         if info.array_dtype is None:
@@ -146,7 +147,7 @@ class Checkpoint:
         flat = np.concatenate([c.copy() for c in self.chunks(info)] or [np.empty(0, dtype)])
         if info.array_dtype is None:
             return flat
-        return np.ascontiguousarray(flat.reshape(info.shape, order="F" if info.fortran_order else "C"))
+        return flat.reshape(info.shape, order="F" if info.fortran_order else "C").copy(order="C")
 
     def _open_stream(self, info: TensorInfo) -> BinaryIO:
         loc = info._location
@@ -244,15 +245,14 @@ def _read_npy(path: Path) -> TensorInfo:
             f"the file holds {size - header.data_offset}",
             path,
         )
+    return _numpy_tensor(path.name[: -len(".npy")], header, path, header.data_offset)
+
+
+def _numpy_tensor(name: str, header: _numpy.NpyHeader, path: Path, location: Any) -> TensorInfo:
+    native = header.dtype.newbyteorder("=")
+    stored = None if header.dtype.isnative else header.dtype
     return TensorInfo(
-        path.name[: -len(".npy")],
-        header.dtype.newbyteorder("=").name,
-        header.shape,
-        header.nbytes,
-        str(path),
-        header.dtype,
-        header.fortran_order,
-        header.data_offset,
+        name, native.name, header.shape, header.nbytes, str(path), native, header.fortran_order, location, stored
     )
 
 
@@ -283,18 +283,7 @@ def _read_npz(path: Path) -> list[TensorInfo]:
                         path,
                         name,
                     )
-                tensors.append(
-                    TensorInfo(
-                        name,
-                        header.dtype.newbyteorder("=").name,
-                        header.shape,
-                        header.nbytes,
-                        str(path),
-                        header.dtype,
-                        header.fortran_order,
-                        _NpzLocation(member.filename, header.data_offset),
-                    )
-                )
+                tensors.append(_numpy_tensor(name, header, path, _NpzLocation(member.filename, header.data_offset)))
             return tensors
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError, ValueError) as e:
         raise MalformedError(f"not a valid zip archive ({e})", path) from e
@@ -459,7 +448,7 @@ def _c_order(t: TensorInfo, chunks: ChunkSource) -> Iterable[np.ndarray]:
     if not t.fortran_order:
         return chunks(t)
     flat = np.concatenate([np.array(c) for c in chunks(t)] or [np.empty(0, t.array_dtype)])
-    return [np.ascontiguousarray(flat.reshape(t.shape, order="F")).reshape(-1)]
+    return [flat.reshape(t.shape, order="F").ravel(order="C")]
 
 
 def _expect(t: TensorInfo, written: int, target: Path) -> None:

@@ -12,6 +12,9 @@ from typing import BinaryIO
 
 from clipcli.errors import WriteError
 
+SAFETENSORS = "a safetensors file"
+UNKNOWN = "not a known checkpoint format"
+
 
 def sniff(head: bytes) -> str:
     """What the first bytes of a file say it is, as a phrase for an error message."""
@@ -35,10 +38,10 @@ def sniff(head: bytes) -> str:
     if head.startswith(b"\x1f\x8b"):
         return "a gzip file"
     if len(head) >= 9 and head[8:9] == b"{":
-        return "a safetensors file"
+        return SAFETENSORS
     if text.startswith((b"{", b"[")):
         return "a JSON file"
-    return "not a known checkpoint format"
+    return UNKNOWN
 
 
 def read_head(path: Path, n: int = 64) -> bytes:

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import read_head, sniff
+from clipcli.checkpoint._files import SAFETENSORS, UNKNOWN, read_head, sniff
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
@@ -97,13 +97,10 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     if len(prefix) < 8:
         raise _not_safetensors(path, f"only {size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix)
-    if n > MAX_HEADER or 8 + n > size:
-        what = sniff(read_head(path))
-        if what != "a safetensors file":
-            raise FileTypeError(f"not a safetensors file: {what}", path)
-        if n > MAX_HEADER:
-            raise MalformedError(f"header length {n} exceeds the limit of {MAX_HEADER} bytes", path)
-        raise MalformedError(f"header length {n} runs past the end of the file ({size} bytes)", path)
+    if n > MAX_HEADER:
+        raise _not_safetensors(path, f"header length {n} exceeds the limit of {MAX_HEADER} bytes")
+    if 8 + n > size:
+        raise _not_safetensors(path, f"header length {n} runs past the end of the file ({size} bytes)")
     raw = f.read(n)
     if raw[:1] != b"{":
         raise _not_safetensors(path, "the header does not start with '{'")
@@ -143,10 +140,11 @@ def _short(e: Exception) -> str:
 
 
 def _not_safetensors(path: Path, reason: str) -> Exception:
+    """A FileTypeError naming what the file really is, or a MalformedError when it is nothing else."""
     what = sniff(read_head(path))
-    if what != "a safetensors file":
-        return FileTypeError(f"not a safetensors file: {what}", path)
-    return MalformedError(reason, path)
+    if what in (SAFETENSORS, UNKNOWN):
+        return MalformedError(reason, path)
+    return FileTypeError(f"not a safetensors file: {what}", path)
 
 
 def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
@@ -168,7 +166,8 @@ def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
     bits = math.prod(shape) * d.bits
     if bits % 8 or bits // 8 != end - begin:
         raise MalformedError(
-            f"shape {tuple(shape)} of {dtype} needs {bits / 8:g} bytes but data offsets {begin}..{end} "
+            f"shape {tuple(shape)} of {dtype} needs {bits // 8 if bits % 8 == 0 else bits / 8} bytes but data "
+            f"offsets {begin}..{end} "
             f"hold {end - begin}",
             path,
             name,

@@ -1,0 +1,651 @@
+"""Checkpoint I/O against the safetensors library and NumPy: round trips, malformed files, memory, shards."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from clipcli.checkpoint import Checkpoint, open_checkpoint, save
+from clipcli.core import NormAccumulator
+from clipcli.errors import FileTypeError, MalformedError, MissingFileError, UnsupportedError, WriteError
+from tests.conftest import raw_safetensors, st_bytes, st_read
+
+ST_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    np.uint32,
+    np.int32,
+    np.uint64,
+    np.int64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
+NPY_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    np.uint32,
+    np.int32,
+    np.uint64,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+]
+SHAPES = [(), (0,), (7,), (3, 5), (0, 4), (2, 3, 4), (1000, 37)]
+
+
+def sample(dtype, shape, seed=0) -> np.ndarray:
+    """Values spread over the dtype's bit patterns (NaN and Inf included for floats)."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype == np.bool_:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def small_chunks(ckpt: Checkpoint):
+    return lambda t: ckpt.chunks(t, max_bytes=999)  # forces many chunks, unaligned to the 8-byte items
+
+
+# --- Round trips ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", ST_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_safetensors_round_trip(tmp_path, dtype, shape):
+    a = sample(dtype, shape)
+    src = tmp_path / "ref.safetensors"
+    src.write_bytes(st_bytes({"x": a, "y": sample(np.float32, (3,), 1)}, {"k": "v"}))
+    with open_checkpoint(src) as ckpt:
+        infos = {t.name: t for t in ckpt.tensors}
+        assert infos["x"].dtype == np.dtype(dtype).name and infos["x"].shape == shape
+        assert same_bytes(a, ckpt.read(infos["x"]))
+        assert ckpt.metadata == {"k": "v"}
+        save(ckpt, tmp_path / "out.safetensors", small_chunks(ckpt))
+    assert st_read(tmp_path / "out.safetensors") == st_read(src)
+    if np.dtype(dtype) not in (
+        np.dtype(ml_dtypes.bfloat16),
+        np.dtype(ml_dtypes.float8_e4m3fn),
+        np.dtype(ml_dtypes.float8_e5m2),
+        np.dtype(np.complex64),
+        np.dtype(np.bool_),
+    ):
+        with safe_open(tmp_path / "out.safetensors", "np") as f:
+            assert same_bytes(a, f.get_tensor("x"))
+            assert f.metadata() == {"k": "v"}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", NPY_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_npz_round_trip(tmp_path, dtype, shape, compression):
+    a = sample(dtype, shape)
+    src = tmp_path / "ref.npz"
+    (np.savez if compression == zipfile.ZIP_STORED else np.savez_compressed)(src, x=a, y=np.arange(3.0))
+    with open_checkpoint(src) as ckpt:
+        assert [t.name for t in ckpt.tensors] == ["x", "y"]
+        assert same_bytes(a, ckpt.read(ckpt.tensors[0]))
+        save(ckpt, tmp_path / "out.npz", small_chunks(ckpt))
+    with np.load(tmp_path / "out.npz", allow_pickle=False) as z:
+        assert same_bytes(a, z["x"])
+        assert same_bytes(np.arange(3.0), z["y"])
+
+
+@pytest.mark.parametrize("dtype", NPY_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_npy_round_trip_is_byte_identical_to_np_save(tmp_path, dtype):
+    a = sample(dtype, (4, 6))
+    np.save(tmp_path / "t.npy", a)
+    with open_checkpoint(tmp_path / "t.npy") as ckpt:
+        (t,) = ckpt.tensors
+        assert t.name == "t"
+        save(ckpt, tmp_path / "out.npy", small_chunks(ckpt))
+    assert (tmp_path / "out.npy").read_bytes() == (tmp_path / "t.npy").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: np.asfortranarray(a),
+        lambda a: a.astype(a.dtype.newbyteorder(">")),
+        lambda a: np.asfortranarray(a.astype(">f8")),
+    ],
+)
+def test_fortran_order_and_big_endian_members(tmp_path, make):
+    a = np.arange(24, dtype=np.float64).reshape(4, 6) * 1.5
+    np.savez(tmp_path / "f.npz", x=make(a))
+    with open_checkpoint(tmp_path / "f.npz") as ckpt:
+        np.testing.assert_array_equal(ckpt.read(ckpt.tensors[0]), a)
+        assert ckpt.tensors[0].dtype == "float64"
+        save(ckpt, tmp_path / "out.safetensors", small_chunks(ckpt))
+        save(ckpt, tmp_path / "out.npz", small_chunks(ckpt))
+    with safe_open(tmp_path / "out.safetensors", "np") as f:
+        np.testing.assert_array_equal(f.get_tensor("x"), a)
+    with np.load(tmp_path / "out.npz") as z:
+        np.testing.assert_array_equal(z["x"], a)
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA, zipfile.ZIP_DEFLATED])
+def test_npz_members_compressed_by_any_zipfile_method(tmp_path, method):
+    a = np.linspace(0, 1, 100_000, dtype=np.float32)
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, a)
+    with zipfile.ZipFile(tmp_path / "c.npz", "w", method) as z:
+        z.writestr("weights", buf.getvalue())  # a member without the .npy suffix, as NumPy allows
+    with open_checkpoint(tmp_path / "c.npz") as ckpt:
+        (t,) = ckpt.tensors
+        assert t.name == "weights"
+        assert same_bytes(a, ckpt.read(t))
+
+
+def test_npz_output_is_deterministic(tmp_path):
+    np.savez(tmp_path / "a.npz", x=np.arange(5.0))
+    for name in ("o1.npz", "o2.npz"):
+        with open_checkpoint(tmp_path / "a.npz") as ckpt:
+            save(ckpt, tmp_path / name, ckpt.chunks)
+    assert (tmp_path / "o1.npz").read_bytes() == (tmp_path / "o2.npz").read_bytes()
+
+
+def test_safetensors_writer_keeps_order_and_metadata(tmp_path):
+    tensors = {"z": np.ones(3, np.float32), "a": np.ones(2, np.int64), "m": np.ones(1, ml_dtypes.bfloat16)}
+    src = tmp_path / "in.safetensors"
+    src.write_bytes(st_bytes(tensors, {"format": "pt"}))
+    with open_checkpoint(src) as ckpt:
+        order = [t.name for t in ckpt.tensors]
+        save(ckpt, tmp_path / "out.safetensors", ckpt.chunks)
+    with open_checkpoint(tmp_path / "out.safetensors") as out:
+        assert [t.name for t in out.tensors] == order
+        assert out.metadata == {"format": "pt"}
+
+
+def test_newer_dtypes_are_carried_as_bytes(tmp_path):
+    header = {
+        "e": {"dtype": "F8_E8M0", "shape": [4], "data_offsets": [0, 4]},
+        "f4": {"dtype": "F4", "shape": [2, 4], "data_offsets": [4, 8]},
+        "f6": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [8, 11]},
+    }
+    src = tmp_path / "new.safetensors"
+    src.write_bytes(raw_safetensors(header, bytes(range(11))))
+    with open_checkpoint(src) as ckpt:
+        assert [(t.dtype, t.nbytes, t.array_dtype) for t in ckpt.tensors] == [
+            ("float8_e8m0fnu", 4, None),
+            ("float4_e2m1fn", 4, None),
+            ("float6_e2m3fn", 3, None),
+        ]
+        save(ckpt, tmp_path / "out.safetensors", ckpt.chunks)
+        with pytest.raises(UnsupportedError, match="without losing"):
+            save(ckpt, tmp_path / "out.npz", ckpt.chunks)
+    assert (tmp_path / "out.safetensors").read_bytes()[-11:] == bytes(range(11))
+    assert not (tmp_path / "out.npz").exists()
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+def test_lossy_conversion_to_npz_is_refused_before_writing(tmp_path, dtype):
+    src = tmp_path / "in.safetensors"
+    src.write_bytes(st_bytes({"ok": np.ones(2, np.float32), "x": np.ones(2, dtype)}))
+    with open_checkpoint(src) as ckpt, pytest.raises(UnsupportedError) as e:
+        save(ckpt, tmp_path / "out.npz", ckpt.chunks)
+    assert str(e.value).startswith(f"{tmp_path / 'out.npz'}: tensor x: cannot write this dtype")
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_complex128_has_no_safetensors_dtype(tmp_path):
+    np.savez(tmp_path / "c.npz", z=np.ones(2, np.complex128))
+    with open_checkpoint(tmp_path / "c.npz") as ckpt, pytest.raises(UnsupportedError, match="complex128"):
+        save(ckpt, tmp_path / "out.safetensors", ckpt.chunks)
+
+
+def test_npy_output_needs_exactly_one_tensor(tmp_path):
+    np.savez(tmp_path / "two.npz", a=np.ones(2), b=np.ones(2))
+    with open_checkpoint(tmp_path / "two.npz") as ckpt, pytest.raises(UnsupportedError, match="one tensor"):
+        save(ckpt, tmp_path / "out.npy", ckpt.chunks)
+
+
+def test_chunks_respect_the_size_bound_and_alignment(tmp_path):
+    a = np.arange(10_000, dtype=np.float32).reshape(100, 100)
+    np.save(tmp_path / "a.npy", a)
+    with open_checkpoint(tmp_path / "a.npy") as ckpt:
+        (t,) = ckpt.tensors
+        sizes = [c.size for c in ckpt.chunks(t, max_bytes=1000, align=100)]
+        assert all(s == 200 for s in sizes[:-1]) and sum(sizes) == 10_000
+        assert next(c.size for c in ckpt.chunks(t, max_bytes=10, align=100)) == 100  # at least one row
+
+
+# --- Writing: atomic, never over the input -----------------------------------------------------------
+
+
+def test_output_that_is_the_input_is_refused(tmp_path):
+    np.savez(tmp_path / "a.npz", x=np.ones(3))
+    before = (tmp_path / "a.npz").read_bytes()
+    with open_checkpoint(tmp_path / "a.npz") as ckpt, pytest.raises(WriteError, match="refusing to overwrite"):
+        save(ckpt, tmp_path / "a.npz", ckpt.chunks)
+    os.symlink(tmp_path / "a.npz", tmp_path / "link.npz")
+    with open_checkpoint(tmp_path / "a.npz") as ckpt, pytest.raises(WriteError, match="refusing to overwrite"):
+        save(ckpt, tmp_path / "link.npz", ckpt.chunks)
+    assert (tmp_path / "a.npz").read_bytes() == before
+
+
+def test_in_place_replaces_atomically_and_keeps_the_mode(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones(3))
+    os.chmod(tmp_path / "a.npy", 0o640)
+    with open_checkpoint(tmp_path / "a.npy") as ckpt:
+        save(ckpt, tmp_path / "a.npy", lambda t: [np.full(3, 2.0)], in_place=True)
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), [2, 2, 2])
+    assert (os.stat(tmp_path / "a.npy").st_mode & 0o777) == 0o640
+    assert sorted(os.listdir(tmp_path)) == ["a.npy"]
+
+
+def test_new_files_get_the_umask_mode(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones(3))
+    old = os.umask(0o027)
+    try:
+        with open_checkpoint(tmp_path / "a.npy") as ckpt:
+            save(ckpt, tmp_path / "b.npy", ckpt.chunks)
+    finally:
+        os.umask(old)
+    assert (os.stat(tmp_path / "b.npy").st_mode & 0o777) == 0o640
+
+
+def test_a_failing_write_leaves_no_file(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones(3))
+
+    def broken(t):
+        yield np.ones(1)
+        raise RuntimeError("boom")
+
+    with open_checkpoint(tmp_path / "a.npy") as ckpt, pytest.raises(RuntimeError):
+        save(ckpt, tmp_path / "b.npy", broken)
+    assert sorted(os.listdir(tmp_path)) == ["a.npy"]
+
+
+def test_writing_through_a_symlink_writes_its_target(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones(3))
+    np.save(tmp_path / "target.npy", np.zeros(1))
+    os.symlink("target.npy", tmp_path / "link.npy")
+    with open_checkpoint(tmp_path / "a.npy") as ckpt:
+        save(ckpt, tmp_path / "link.npy", ckpt.chunks)
+    assert os.path.islink(tmp_path / "link.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "target.npy"), [1, 1, 1])
+
+
+# --- Memory -----------------------------------------------------------------------------------------
+
+
+def test_reading_a_large_file_keeps_memory_bounded(tmp_path):
+    path = tmp_path / "big.safetensors"
+    n = 64 * 1024 * 1024  # 256 MiB of float32
+    header = raw_safetensors({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+    header = header[:8] + header[8:]  # already 8-aligned or not: the reader does not care
+    with open(path, "wb") as f:
+        f.write(header)
+        block = np.full(1 << 20, 0.5, np.float32).tobytes()
+        for _ in range(64):
+            f.write(block)
+    tracemalloc.start()
+    try:
+        with open_checkpoint(path) as ckpt:
+            acc = NormAccumulator(2)
+            for chunk in ckpt.chunks(ckpt.tensors[0]):
+                acc.add(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert acc.result().norm == 0.5 * np.sqrt(n)
+    assert peak < 32 * 1024 * 1024, peak
+
+
+# --- Sharded checkpoints ----------------------------------------------------------------------------
+
+
+def make_sharded(root: Path) -> dict[str, np.ndarray]:
+    root.mkdir()
+    tensors = {f"layers.{i}.w": np.full((4, 3), i + 1.0, np.float32) for i in range(4)}
+    tensors["step"] = np.array(3, np.int64)
+    shards = {
+        "m-00001-of-00002.safetensors": ["layers.0.w", "layers.1.w"],
+        "m-00002-of-00002.safetensors": ["layers.2.w", "layers.3.w", "step"],
+    }
+    for shard, names in shards.items():
+        (root / shard).write_bytes(st_bytes({n: tensors[n] for n in names}, {"format": "pt"}))
+    index = {"metadata": {"total_size": 0}, "weight_map": {n: s for s, ns in shards.items() for n in ns}}
+    (root / "m.safetensors.index.json").write_text(json.dumps(index))
+    return tensors
+
+
+@pytest.mark.parametrize("how", ["index", "directory"])
+def test_sharded_checkpoint_reads_as_one_and_writes_back_the_layout(tmp_path, how):
+    tensors = make_sharded(tmp_path / "in")
+    src = tmp_path / "in" / "m.safetensors.index.json" if how == "index" else tmp_path / "in"
+    with open_checkpoint(src) as ckpt:
+        assert ckpt.format == "sharded"
+        assert sorted(t.name for t in ckpt.tensors) == sorted(tensors)
+        for t in ckpt.tensors:
+            assert same_bytes(tensors[t.name], ckpt.read(t))
+        written = save(ckpt, tmp_path / "out", ckpt.chunks)
+    assert [p.name for p in written] == [
+        "m-00001-of-00002.safetensors",
+        "m-00002-of-00002.safetensors",
+        "m.safetensors.index.json",
+    ]
+    for shard in ("m-00001-of-00002.safetensors", "m-00002-of-00002.safetensors"):
+        assert st_read(tmp_path / "out" / shard) == st_read(tmp_path / "in" / shard)
+    index = json.loads((tmp_path / "out" / "m.safetensors.index.json").read_text())
+    assert index["weight_map"] == json.loads((tmp_path / "in" / "m.safetensors.index.json").read_text())["weight_map"]
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in tensors.values())
+
+
+def test_sharded_checkpoint_merges_into_one_file(tmp_path):
+    tensors = make_sharded(tmp_path / "in")
+    with open_checkpoint(tmp_path / "in") as ckpt:
+        save(ckpt, tmp_path / "merged.safetensors", ckpt.chunks)
+    with safe_open(tmp_path / "merged.safetensors", "np") as f:
+        got = {k: f.get_tensor(k).tobytes() for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    assert got == {k: v.tobytes() for k, v in tensors.items()}
+
+
+def test_shards_without_an_index(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.safetensors").write_bytes(st_bytes({"x": np.ones(2, np.float32)}))
+    (tmp_path / "d" / "b.safetensors").write_bytes(st_bytes({"y": np.ones(3, np.float32)}))
+    with open_checkpoint(tmp_path / "d") as ckpt:
+        assert [t.name for t in ckpt.tensors] == ["x", "y"]
+        assert [p.name for p in save(ckpt, tmp_path / "o", ckpt.chunks)] == ["a.safetensors", "b.safetensors"]
+
+
+def test_directory_output_needs_a_sharded_input(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones(2))
+    with open_checkpoint(tmp_path / "a.npy") as ckpt, pytest.raises(WriteError, match="sharded input"):
+        save(ckpt, tmp_path / "outdir", ckpt.chunks)
+
+
+# --- Malformed and mistaken files --------------------------------------------------------------------
+
+GOOD_HEADER = {
+    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+}
+
+
+def st_case(header=None, data=bytes(12), length=None, raw=None):
+    return raw if raw is not None else raw_safetensors(GOOD_HEADER if header is None else header, data, length)
+
+
+def npy_bytes(a) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def npy_with_header(text: str, data: bytes = b"", version=(1, 0)) -> bytes:
+    body = text.encode("latin1")
+    size = struct.pack("<H" if version[0] == 1 else "<I", len(body))
+    return b"\x93NUMPY" + bytes(version) + size + body + data
+
+
+def zip_bytes(members: dict[str, bytes], method=zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", method) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def with_entry(name, **changes):
+    header = json.loads(json.dumps(GOOD_HEADER))
+    header[name].update(changes)
+    return header
+
+
+def flip_last_data_byte(zipped: bytes) -> bytes:
+    b = bytearray(zipped)
+    central = b.rfind(b"PK\x01\x02")
+    b[central - 1] ^= 0xFF  # the last byte of the stored member's data
+    return bytes(b)
+
+
+DUPLICATE = (
+    b'{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
+)
+OBJECT_NPY = npy_with_header("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", b"\x80\x04N.")
+MALFORMED = {
+    # safetensors: the header
+    "empty.safetensors": (b"", FileTypeError, "not a safetensors file: an empty file"),
+    "short.safetensors": (b"\x05\x00\x00", MalformedError, "only 3 bytes, too short for a safetensors header"),
+    "huge-header.safetensors": (st_case(length=100_000_001), MalformedError, "exceeds the limit of 100000000"),
+    "header-past-end.safetensors": (st_case(length=5000), MalformedError, "runs past the end of the file"),
+    "not-an-object.safetensors": (st_case(raw=struct.pack("<Q", 2) + b"[]"), MalformedError, "does not start with"),
+    "bad-utf8.safetensors": (struct.pack("<Q", 4) + b'{"\xff}', MalformedError, "not valid UTF-8 JSON"),
+    "bad-json.safetensors": (struct.pack("<Q", 9) + b'{"a": 1,,', MalformedError, "not valid UTF-8 JSON"),
+    "deep-json.safetensors": (
+        struct.pack("<Q", 200_001) + b"{" + b'"a":' * 0 + b"[" * 200_000,
+        MalformedError,
+        "not valid UTF-8 JSON",
+    ),
+    "entry-not-object.safetensors": (st_case({"a": 1}, b""), MalformedError, "tensor a: the tensor's entry"),
+    "unknown-dtype.safetensors": (st_case(with_entry("a", dtype="F128")), UnsupportedError, "unknown dtype 'F128'"),
+    "lowercase-dtype.safetensors": (st_case(with_entry("a", dtype="f32")), UnsupportedError, "unknown dtype 'f32'"),
+    "missing-dtype.safetensors": (
+        st_case({"a": {"shape": [2], "data_offsets": [0, 8]}}, bytes(8)),
+        MalformedError,
+        "missing or non-string 'dtype'",
+    ),
+    "negative-shape.safetensors": (st_case(with_entry("a", shape=[-2])), MalformedError, "'shape' must be a list"),
+    "float-shape.safetensors": (st_case(with_entry("a", shape=[2.0])), MalformedError, "'shape' must be a list"),
+    "shape-not-list.safetensors": (st_case(with_entry("a", shape=2)), MalformedError, "'shape' must be a list"),
+    "three-offsets.safetensors": (
+        st_case(with_entry("a", data_offsets=[0, 4, 8])),
+        MalformedError,
+        "'data_offsets' must be two",
+    ),
+    "reversed-offsets.safetensors": (
+        st_case(with_entry("a", data_offsets=[8, 0])),
+        MalformedError,
+        "end before they begin",
+    ),
+    "size-mismatch.safetensors": (st_case(with_entry("a", shape=[3])), MalformedError, "needs 12 bytes"),
+    "terabyte-claim.safetensors": (
+        st_case(with_entry("a", shape=[1 << 38])),
+        MalformedError,
+        "needs 1099511627776 bytes",
+    ),
+    "not-from-zero.safetensors": (
+        st_case({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)),
+        MalformedError,
+        "are not contiguous",
+    ),
+    "gap.safetensors": (
+        st_case(with_entry("b", data_offsets=[9, 13]), bytes(13)),
+        MalformedError,
+        "tensor b: data offsets 9..13 are not contiguous",
+    ),
+    "overlap.safetensors": (
+        st_case(with_entry("b", data_offsets=[4, 8]), bytes(8)),
+        MalformedError,
+        "are not contiguous",
+    ),
+    "trailing-bytes.safetensors": (st_case(data=bytes(13)), MalformedError, "holds 13 bytes of data"),
+    "truncated-data.safetensors": (st_case(data=bytes(11)), MalformedError, "holds 11 bytes of data"),
+    "out-of-range.safetensors": (
+        st_case(with_entry("b", shape=[1000], data_offsets=[8, 4008])),
+        MalformedError,
+        "holds 12 bytes of data",
+    ),
+    "duplicate-key.safetensors": (struct.pack("<Q", len(DUPLICATE)) + DUPLICATE, MalformedError, "duplicate key 'a'"),
+    "metadata-not-strings.safetensors": (
+        st_case({**GOOD_HEADER, "__metadata__": {"k": 1}}),
+        MalformedError,
+        "__metadata__ must map strings to strings",
+    ),
+    # safetensors: the wrong kind of file
+    "lfs.safetensors": (
+        b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 123\n",
+        FileTypeError,
+        "a Git LFS pointer, not the checkpoint itself (run `git lfs pull`)",
+    ),
+    "html.safetensors": (b"<!DOCTYPE html><html><body>Not found</body></html>", FileTypeError, "an HTML page"),
+    "pickle.safetensors": (b"\x80\x02}q\x00(X\x01\x00\x00\x00aq\x01K\x01u.", FileTypeError, "a Python pickle"),
+    "zip.safetensors": (zip_bytes({"x.npy": npy_bytes(np.ones(2))}), FileTypeError, "a zip archive"),
+    "torch.safetensors": (zip_bytes({"archive/data.pkl": b"\x80\x02."}), FileTypeError, "a PyTorch zip checkpoint"),
+    "npy.safetensors": (npy_bytes(np.ones(2)), FileTypeError, "a NumPy .npy file"),
+    # .npy
+    "lfs.npy": (b"version https://git-lfs.github.com/spec/v1\n", FileTypeError, "Git LFS pointer"),
+    "bad-version.npy": (b"\x93NUMPY\x09\x09" + npy_bytes(np.ones(2))[8:], MalformedError, "version 9.9"),
+    "code.npy": (npy_with_header("__import__('os').system('true')"), MalformedError, "not a Python literal"),
+    "object.npy": (OBJECT_NPY, UnsupportedError, "object arrays are not supported"),
+    "structured.npy": (
+        npy_with_header("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }", bytes(4)),
+        UnsupportedError,
+        "structured dtype",
+    ),
+    "string.npy": (
+        npy_with_header("{'descr': '<U4', 'fortran_order': False, 'shape': (1,), }", bytes(16)),
+        UnsupportedError,
+        "not a numeric tensor type",
+    ),
+    "missing-key.npy": (
+        npy_with_header("{'descr': '<f4', 'shape': (1,), }", bytes(4)),
+        MalformedError,
+        "exactly 'descr', 'fortran_order' and 'shape'",
+    ),
+    "truncated.npy": (npy_bytes(np.ones(4))[:-3], MalformedError, "needs 32 bytes of data, the file holds 29"),
+    "trailing.npy": (npy_bytes(np.ones(4)) + b"x", MalformedError, "the file holds 33"),
+    "huge-header.npy": (
+        b"\x93NUMPY\x02\x00" + struct.pack("<I", 1 << 30),
+        MalformedError,
+        "header length 1073741824 exceeds",
+    ),
+    "negative-shape.npy": (
+        npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }"),
+        MalformedError,
+        "'shape' must be a tuple",
+    ),
+    "void.npy": (
+        npy_with_header("{'descr': '|V2', 'fortran_order': False, 'shape': (1,), }", bytes(2)),
+        UnsupportedError,
+        "raw bytes (bfloat16 or float8 saved without its type?)",
+    ),
+    # .npz
+    "safetensors.npz": (st_bytes({"a": np.ones(2, np.float32)}), FileTypeError, "not an .npz file: a safetensors"),
+    "html.npz": (b"<html>", FileTypeError, "not an .npz file: an HTML page"),
+    "corrupt.npz": (b"PK\x03\x04" + bytes(100), MalformedError, "not a valid zip archive"),
+    "truncated.npz": (zip_bytes({"x.npy": npy_bytes(np.ones(100))})[:500], MalformedError, "not a valid zip"),
+    "object-member.npz": (zip_bytes({"x.npy": OBJECT_NPY}), UnsupportedError, "tensor x: object arrays"),
+    "text-member.npz": (zip_bytes({"readme.txt": b"hello"}), MalformedError, "tensor readme.txt: not a .npy member"),
+    "extra-bytes.npz": (
+        zip_bytes({"x.npy": npy_bytes(np.ones(2)) + b"zz"}),
+        MalformedError,
+        "tensor x: the member holds 146 bytes but its header declares 144",
+    ),
+    "short-member.npz": (zip_bytes({"x.npy": npy_bytes(np.ones(2))[:-1]}), MalformedError, "declares 144"),
+    "bomb.npz": (
+        zip_bytes(
+            {"x.npy": npy_with_header("{'descr': '<f8', 'fortran_order': False, 'shape': (1000000000000,), }")},
+            zipfile.ZIP_DEFLATED,
+        ),
+        MalformedError,
+        "declares 8000000000",
+    ),
+    "crc.npz": (flip_last_data_byte(zip_bytes({"x.npy": npy_bytes(np.arange(4.0))})), MalformedError, "Bad CRC-32"),
+    "unknown.bin": (b"\x00" * 16, FileTypeError, "unknown checkpoint suffix"),
+}
+
+
+def read_everything(path: Path) -> None:
+    with open_checkpoint(path) as ckpt:
+        for t in ckpt.tensors:
+            for _ in ckpt.chunks(t):
+                pass
+
+
+@pytest.mark.parametrize(("name", "case"), MALFORMED.items(), ids=list(MALFORMED))
+def test_malformed_files_get_the_right_error(tmp_path, name, case):
+    content, error, message = case
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(error) as e:
+        read_everything(path)
+    line = str(e.value)
+    assert line.startswith(str(path)), line
+    assert message in line, line
+    assert "\n" not in line
+    assert path.read_bytes() == content
+    assert os.listdir(tmp_path) == [name]
+
+
+def test_there_are_at_least_forty_malformed_cases():
+    assert len(MALFORMED) >= 40
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "message"),
+    [
+        (lambda root: (root / "m.safetensors.index.json").write_text("{oops"), MalformedError, "not valid JSON"),
+        (lambda root: (root / "m-00002-of-00002.safetensors").unlink(), MissingFileError, "does not exist"),
+        (
+            lambda root: (root / "m.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"layers.0.w": "../escape.safetensors"}})
+            ),
+            MalformedError,
+            "leaves the checkpoint's directory",
+        ),
+        (
+            lambda root: (root / "m.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"layers.0.w": "m-00001-of-00002.safetensors"}})
+            ),
+            MalformedError,
+            "does not map this tensor",
+        ),
+        (
+            lambda root: (root / "m.safetensors.index.json").write_text(
+                json.dumps(
+                    {
+                        "weight_map": {
+                            **{n: "m-00001-of-00002.safetensors" for n in ("layers.0.w", "layers.1.w", "ghost")}
+                        }
+                    }
+                )
+            ),
+            MalformedError,
+            "tensor ghost named by the index is not in",
+        ),
+        (lambda root: (root / "m.safetensors.index.json").write_text("[]"), MalformedError, "no 'weight_map'"),
+        (lambda root: (root / "x.safetensors.index.json").write_text("{}"), Exception, "2 index files"),
+    ],
+)
+def test_malformed_sharded_checkpoints(tmp_path, mutate, error, message):
+    make_sharded(tmp_path / "in")
+    mutate(tmp_path / "in")
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        open_checkpoint(tmp_path / "in")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(MissingFileError, match="no such file"):
+        open_checkpoint(tmp_path / "nope.safetensors")

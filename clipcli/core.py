@@ -142,21 +142,35 @@ class _ExactSum:
         self.acc += acc << (low - self.low)
 
     def root(self, p: float) -> float:
-        """(acc * 2**low) ** (1/p), without overflow on the way; inf when the root itself overflows."""
+        """(acc * 2**low) ** (1/p), without overflow on the way; inf when the root itself overflows.
+
+        Orders 1 and 2 are correctly rounded; other orders are within a few ulps.
+        """
         if self.acc == 0:
             return 0.0
-        shift = max(self.acc.bit_length() - 64, 0)
-        top, exponent = self.acc >> shift, self.low + shift
         if p == 2.0:
-            if exponent % 2:
-                top, exponent = top << 1, exponent - 1
-            return _ldexp(math.sqrt(float(top)), exponent // 2)
+            shift = self.acc.bit_length() - 120
+            shift += (self.low + shift) % 2  # an even exponent halves exactly
+            a = _shift_sticky(self.acc, shift)
+            s = math.isqrt(a)
+            return _ldexp(float(s | (s * s != a)), (self.low + shift) // 2)
+        shift = self.acc.bit_length() - 64
+        top, exponent = _shift_sticky(self.acc, shift), self.low + shift
+        if p == 1.0:
+            return _ldexp(float(top), exponent)
         if p == int(p) and p <= 64:
             # An integer order splits the exponent exactly: (top * 2**r) ** (1/p) * 2**whole.
             whole, r = divmod(exponent, int(p))
             return _ldexp(float(top << r) ** (1.0 / p), whole)
         whole = math.floor(exponent / p)
         return _ldexp(float(top) ** (1.0 / p) * 2.0 ** (exponent / p - whole), whole)
+
+
+def _shift_sticky(a: int, shift: int) -> int:
+    """a * 2**-shift as an integer; bits shifted out set the lowest bit, so a later rounding is correct."""
+    if shift <= 0:
+        return a << -shift
+    return (a >> shift) | (a & ((1 << shift) - 1) != 0)
 
 
 def _ldexp(x: float, e: int) -> float:

@@ -219,7 +219,13 @@ def _size(n: int) -> str:
 _BLOCKS = " ▏▎▍▌▋▊▉█"
 
 
-def share_bar(share: float | None, width: int = 10) -> str:
+def _table() -> Any:
+    from rich.table import Table
+
+    return Table(box=None, pad_edge=False, padding=(0, 1, 0, 0))
+
+
+def share_bar(share: float | None, width: int = 8) -> str:
     """A bar of eighth blocks for a share in [0, 1], followed by the percentage."""
     if share is None or math.isnan(share):
         return "-"
@@ -259,7 +265,6 @@ def headline(command: str, c: CheckpointReport, p: float) -> str:
 
 def render_table(report: Report, console: Any) -> None:
     """Prints the report for a person on a rich Console; names are Text, never markup."""
-    from rich.table import Table
     from rich.text import Text
 
     if report.command == "inspect":
@@ -268,7 +273,7 @@ def render_table(report: Report, console: Any) -> None:
             console.print(Text(f"{c.path}: {c.format}, {len(c.listing)} tensors, {_size(total)}"))
             for key, value in (c.metadata or {}).items():
                 console.print(Text(f"  metadata {key} = {value}"))
-            table = Table(box=None, pad_edge=False)
+            table = _table()
             for col, justify in (("tensor", "left"), ("dtype", "left"), ("shape", "left"), ("size", "right")):
                 table.add_column(col, justify=justify, overflow="fold")
             sharded = c.format == "sharded"
@@ -280,7 +285,7 @@ def render_table(report: Report, console: Any) -> None:
             console.print(table)
         return
     if len(report.checkpoints) > 1:
-        table = Table(box=None, pad_edge=False)
+        table = _table()
         for col, justify in (
             ("checkpoint", "left"),
             ("global norm", "right"),
@@ -307,24 +312,29 @@ def render_table(report: Report, console: Any) -> None:
     for c in report.checkpoints:
         console.print(Text(headline(report.command, c, report.ord)))
         clip = report.command != "global-norm"
-        table = Table(box=None, pad_edge=False)
+        table = _table()
         columns = [("tensor", "left"), ("dtype", "left"), ("shape", "left"), ("norm", "right")]
-        columns += [("norm after", "right")] if clip else []
-        columns += [("share", "left"), ("max |x|", "right"), ("nan", "right"), ("inf", "right")]
+        columns += [("norm after", "right")] if clip else [("share", "left")]
+        columns += [("max |x|", "right"), ("nan", "right"), ("inf", "right")]
         for col, justify in columns:
             table.add_column(col, justify=justify, overflow="fold", no_wrap=col != "tensor")
         for t in c.tensors:
             cells = [Text(t.name), t.dtype, _shape_text(t.shape), _fmt(t.norm)]
-            cells += [_fmt(t.norm_after)] if clip else []
-            cells += [share_bar(t.share), _fmt(t.max_abs), str(t.nan), str(t.inf)]
+            cells += [_fmt(t.norm_after)] if clip else [share_bar(t.share)]
+            cells += [_fmt(t.max_abs), str(t.nan), str(t.inf)]
             table.add_row(*cells)
         console.print(table)
         if c.groups is not None:
-            groups = Table(box=None, pad_edge=False)
+            groups = _table()
             for col, justify in (("group", "left"), ("tensors", "right"), ("norm", "right"), ("share", "left")):
                 groups.add_column(col, justify=justify, overflow="fold")
             for g in c.groups:
                 groups.add_row(Text(g.name), str(g.tensors), _fmt(g.norm), share_bar(g.share))
             console.print(groups)
+        unselected = [s for s in c.skipped if s.reason.startswith(("not selected", "excluded"))]
         for s in c.skipped:
-            console.print(Text(f"skipped {s.name} ({s.dtype}): {s.reason}"))
+            if s not in unselected:
+                console.print(Text(f"skipped {s.name} ({s.dtype}): {s.reason}"))
+        if unselected:
+            n = len(unselected)
+            console.print(Text(f"{n} tensor{'s' * (n != 1)} left out by --include/--exclude (listed in --format json)"))

@@ -7,7 +7,6 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import pytest
 import safetensors.numpy
 from safetensors import deserialize, serialize
 
@@ -41,10 +40,3 @@ def raw_safetensors(header: dict, data: bytes = b"", length: int | None = None) 
     """A safetensors file from a header dict as given (no validation), for malformed-file tests."""
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw) if length is None else length) + raw + data
-
-
-@pytest.fixture(autouse=True)
-def _plain_terminal(monkeypatch):
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.setenv("COLUMNS", "100")
-    monkeypatch.setenv("TERMINAL_WIDTH", "100")

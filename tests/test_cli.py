@@ -1,0 +1,640 @@
+"""The command line: every command and option, exact error lines and exit statuses, checked outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from clipcli import commands
+from clipcli.cli import app
+from tests.conftest import st_bytes, st_read
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "samples"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+ENV = {"NO_COLOR": "1", "COLUMNS": "100", "TERMINAL_WIDTH": "100"}
+NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64, "F64": np.float64}
+
+
+WIDE = {"NO_COLOR": "1", "COLUMNS": None, "TERMINAL_WIDTH": None}  # not a terminal, no width: no folding
+
+
+def run(*args: object, env=None):
+    result = CliRunner().invoke(app, [str(a) for a in args], env=env or ENV)
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def ok(*args: object):
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def js(*args: object) -> dict:
+    return json.loads(ok(*args, "--format", "json").stdout)
+
+
+def reference(path: Path) -> dict[str, np.ndarray]:
+    """The tensors as the safetensors library reads them (bf16 bytes viewed through ml_dtypes)."""
+    return {n: np.frombuffer(data, NP_DTYPES[dt]).reshape(shape) for n, (dt, shape, data) in st_read(path).items()}
+
+
+def fnorm(arrays, p=2.0) -> float:
+    """A float64 p-norm of all values (math.fsum: exact up to the final rounding for p = 2)."""
+    values = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
+    if math.isinf(p):
+        return float(np.abs(values).max())
+    if p == 2:
+        return math.sqrt(math.fsum(values * values))
+    return math.fsum(np.abs(values) ** p) ** (1 / p)
+
+
+@pytest.fixture
+def grads(tmp_path) -> Path:
+    path = tmp_path / "grads.safetensors"
+    shutil.copy(SAMPLES / "grads.safetensors", path)
+    return path
+
+
+@pytest.fixture
+def sharded(tmp_path) -> Path:
+    shutil.copytree(SAMPLES / "sharded", tmp_path / "sharded")
+    return tmp_path / "sharded"
+
+
+def write_st(path: Path, tensors: dict[str, np.ndarray], metadata=None) -> Path:
+    path.write_bytes(st_bytes(tensors, metadata))
+    return path
+
+
+# --- global-norm ------------------------------------------------------------------------------------
+
+
+def test_global_norm_matches_float64_reference(grads):
+    ref = reference(grads)
+    floats = {n: a for n, a in ref.items() if n != "step"}
+    out = js("global-norm", grads)
+    assert out["schema"] == 1 and out["command"] == "global-norm" and out["ord"] == 2
+    (c,) = out["checkpoints"]
+    assert c["path"] == str(grads)
+    assert c["global_norm"] == pytest.approx(fnorm(floats.values()), rel=1e-15)
+    assert sorted(t["name"] for t in c["tensors"]) == sorted(floats)  # deserialize() does not keep file order
+    for t in c["tensors"]:
+        a = floats[t["name"]]
+        assert t["dtype"] == a.dtype.name and t["shape"] == list(a.shape)
+        assert t["norm"] == pytest.approx(fnorm([a]), rel=1e-15)
+        assert t["max_abs"] == float(np.abs(a.astype(np.float64)).max())
+        assert (t["nan"], t["inf"]) == (0, 0)
+    assert math.fsum(t["share"] for t in c["tensors"]) == pytest.approx(1.0, rel=1e-14)
+    assert c["skipped"] == [{"name": "step", "dtype": "int64", "reason": "not a floating tensor"}]
+
+
+@pytest.mark.parametrize("ord_", ["1", "inf", "3", "0.5"])
+def test_global_norm_orders(grads, ord_):
+    p = float(ord_)
+    floats = [a for n, a in reference(grads).items() if n != "step"]
+    (c,) = js("global-norm", grads, "--ord", ord_)["checkpoints"]
+    assert c["global_norm"] == pytest.approx(fnorm(floats, p), rel=1e-13)
+    shares = [t["share"] for t in c["tensors"]]
+    if math.isinf(p):
+        assert shares == [None] * len(shares)
+    else:
+        assert math.fsum(shares) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_same_global_norm_from_every_format(grads, sharded):
+    out = js("global-norm", grads, SAMPLES / "grads.npz", sharded)
+    norms = {c["global_norm"] for c in out["checkpoints"]}
+    assert len(norms) == 1  # bfloat16 widens exactly to the npz twin's float32: the same bits
+
+
+def test_depth_groups(grads):
+    (c,) = js("global-norm", grads, "--depth", "3")["checkpoints"]
+    groups = {g["name"]: g for g in c["groups"]}
+    assert list(groups) == ["model.embed_tokens.weight", "model.layers.0", "model.layers.1", "model.norm.weight"]
+    ref = reference(grads)
+    layer1 = [a for n, a in ref.items() if n.startswith("model.layers.1.")]
+    assert groups["model.layers.1"]["tensors"] == 7
+    assert groups["model.layers.1"]["norm"] == pytest.approx(fnorm(layer1), rel=1e-15)
+    assert math.fsum(g["share"] for g in c["groups"]) == pytest.approx(1.0, rel=1e-14)
+
+
+def test_sort_and_top_keep_the_global_norm(grads):
+    full = js("global-norm", grads)["checkpoints"][0]
+    (c,) = js("global-norm", grads, "--sort", "norm", "--top", "3")["checkpoints"]
+    assert c["global_norm"] == full["global_norm"]
+    expected = sorted(full["tensors"], key=lambda t: t["norm"], reverse=True)[:3]
+    assert c["tensors"] == expected
+    by_name = js("global-norm", grads, "--sort", "name")["checkpoints"][0]["tensors"]
+    assert [t["name"] for t in by_name] == sorted(t["name"] for t in full["tensors"])
+    by_size = js("global-norm", grads, "--sort", "size", "--top", "1")["checkpoints"][0]["tensors"]
+    assert by_size[0]["name"] == "model.embed_tokens.weight"
+
+
+def test_include_exclude_globs(grads):
+    (c,) = js("global-norm", grads, "--include", "model.layers.[0].*", "--exclude", "*.mlp.*")["checkpoints"]
+    names = [t["name"] for t in c["tensors"]]
+    assert names == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"] + [
+        "model.layers.0.input_layernorm.weight"
+    ]
+    reasons = {s["name"]: s["reason"] for s in c["skipped"]}
+    assert reasons["model.layers.1.mlp.up_proj.weight"] == "not selected by --include"
+    assert reasons["model.layers.0.mlp.up_proj.weight"] == "excluded by --exclude"
+    ref = reference(grads)
+    assert c["global_norm"] == pytest.approx(fnorm([ref[n] for n in names]), rel=1e-15)
+
+
+def test_csv_report(grads):
+    lines = ok("global-norm", grads, "--format", "csv").stdout.splitlines()
+    assert lines[0] == "path,name,dtype,shape,norm,max_abs,nan,inf,share"
+    first = lines[1].split(",")
+    assert first[:4] == [str(grads), "model.embed_tokens.weight", "bfloat16", "256x64"]
+    assert float(first[4]) == pytest.approx(fnorm([reference(grads)["model.embed_tokens.weight"]]), rel=1e-15)
+    assert len(lines) == 17
+
+
+def test_several_checkpoints_give_one_summary_row_each(grads, sharded):
+    out = run("global-norm", grads, sharded, env=WIDE).stdout.splitlines()
+    assert out[0].split() == ["checkpoint", "global", "norm", "tensors", "skipped", "max", "|x|", "nan", "inf"]
+    assert [line.split()[0] for line in out[1:]] == [str(grads), str(sharded)]
+
+
+def test_fail_above(grads):
+    g = js("global-norm", grads)["checkpoints"][0]["global_norm"]
+    assert run("global-norm", grads, "--fail-above", g).exit_code == 0
+    result = run("global-norm", grads, "--fail-above", "100", "--quiet")
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr == f"clipcli: error: {grads}: global norm {g!r} exceeds --fail-above 100.0\n"
+
+
+@pytest.fixture
+def nonfinite(tmp_path) -> Path:
+    return write_st(
+        tmp_path / "bad.safetensors",
+        {
+            "ok": np.ones(3, np.float32),
+            "w": np.array([1.0, np.nan, np.inf, np.nan], np.float32),
+            "v": np.array([-np.inf], ml_dtypes.bfloat16),
+        },
+    )
+
+
+def test_fail_above_on_a_norm_that_is_not_finite(nonfinite):
+    result = run("global-norm", nonfinite, "--fail-above", "1e30")
+    assert result.exit_code == 1
+    assert result.stderr == f"clipcli: error: {nonfinite}: global norm is nan, not finite (--fail-above 1e+30)\n"
+
+
+def test_fail_nonfinite(nonfinite, grads):
+    assert run("global-norm", grads, "--fail-nonfinite").exit_code == 0
+    result = run("global-norm", nonfinite, "--fail-nonfinite")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"clipcli: error: {nonfinite}: tensor w: holds 2 NaN and 1 Inf values; also 1 other tensor: v\n"
+    )
+    (c,) = json.loads(run("global-norm", nonfinite, "--format", "json").stdout)["checkpoints"]
+    assert c["global_norm"] == "nan"
+    assert [(t["nan"], t["inf"], t["norm"], t["max_abs"]) for t in c["tensors"]] == [
+        (0, 0, math.sqrt(3), 1.0),
+        (2, 1, "nan", "inf"),
+        (0, 1, "inf", "inf"),
+    ]
+
+
+def test_quiet_prints_nothing(grads):
+    assert ok("global-norm", grads, "--quiet").stdout == ""
+
+
+# --- inspect ----------------------------------------------------------------------------------------
+
+
+def test_inspect_from_headers(grads, sharded):
+    out = js("inspect", grads, sharded)
+    assert out["command"] == "inspect" and "ord" not in out
+    c, s = out["checkpoints"]
+    assert c["format"] == "safetensors" and s["format"] == "sharded"
+    assert c["metadata"] == {"format": "pt", "source": "clipcli samples/make_samples.py"}
+    ref = reference(grads)
+    assert {t["name"]: (t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in c["tensors"]} == {
+        n: (a.dtype.name, a.shape, a.nbytes) for n, a in ref.items()
+    }
+    assert {Path(t["file"]).name for t in s["tensors"]} == {
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    }
+    table = run("inspect", sharded, "--include", "step", env=WIDE).stdout
+    assert "step" in table and "model-00002-of-00002.safetensors" in table and "embed" not in table
+    csv = ok("inspect", grads, "--format", "csv").stdout.splitlines()
+    assert csv[0] == "path,name,dtype,shape,nbytes,file" and len(csv) == 18
+
+
+def test_inspect_does_not_read_tensor_data(tmp_path):
+    # A header that promises 1 GiB over a sparse file: inspect answers from the header alone.
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(st_bytes({"w": np.zeros(4, np.float32)}))
+    header = {"w": {"dtype": "F32", "shape": [1 << 28], "data_offsets": [0, 1 << 30]}}
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + (1 << 30))
+    (c,) = js("inspect", path)["checkpoints"]
+    assert c["tensors"][0]["nbytes"] == 1 << 30
+
+
+# --- clip-global-norm -------------------------------------------------------------------------------
+
+
+def expected_scaled(a: np.ndarray, scale: float) -> np.ndarray:
+    """The spec's arithmetic: float32(x) * float32(scale), rounded once to the dtype (float64 stays)."""
+    if a.dtype == np.float64:
+        return a * scale
+    return (a.astype(np.float32) * np.float32(scale)).astype(a.dtype)
+
+
+def test_clip_global_norm_output_against_references(grads, tmp_path):
+    out = tmp_path / "clipped.safetensors"
+    ref = reference(grads)
+    g = fnorm([a for n, a in ref.items() if n != "step"])
+    (c,) = js("clip-global-norm", grads, "-o", out, "--clip-norm", "5")["checkpoints"]
+    assert c["global_norm"] == pytest.approx(g, rel=1e-15)
+    assert c["scale"] == 5 / c["global_norm"]
+    assert c["clip_norm"] == 5.0 and c["output"] == str(out)
+    got = reference(out)
+    assert set(got) == set(ref)
+    for name, a in ref.items():
+        expected = a if name == "step" else expected_scaled(a, c["scale"])
+        assert got[name].tobytes() == expected.tobytes(), name
+    assert c["global_norm_after"] == pytest.approx(fnorm([a for n, a in got.items() if n != "step"]), rel=1e-15)
+    assert c["global_norm_after"] == pytest.approx(5.0, rel=1e-2)  # bfloat16 rounding
+    with safe_open(out, "np") as f:
+        assert f.metadata() == {"format": "pt", "source": "clipcli samples/make_samples.py"}
+    for t in c["tensors"]:
+        assert t["norm_after"] == pytest.approx(fnorm([got[t["name"]]]), rel=1e-15)
+
+
+def test_clip_global_norm_no_clipping_is_bit_identical(grads, tmp_path):
+    out = tmp_path / "same.safetensors"
+    (c,) = js("clip-global-norm", grads, "-o", out, "--clip-norm", "1000")["checkpoints"]
+    assert c["scale"] == 1.0
+    assert out.read_bytes() == grads.read_bytes()
+
+
+def test_clip_global_norm_use_norm(grads, tmp_path):
+    out = tmp_path / "o.safetensors"
+    (c,) = js("clip-global-norm", grads, "-o", out, "--clip-norm", "2", "--use-norm", "8")["checkpoints"]
+    assert c["scale"] == 0.25
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert reference(out)[w].tobytes() == (reference(grads)[w] * np.float32(0.25)).tobytes()
+
+
+def test_clip_global_norm_sharded_to_directory(sharded, tmp_path):
+    out = tmp_path / "clipped"
+    (c,) = js("clip-global-norm", sharded, "-o", out, "--clip-norm", "5")["checkpoints"]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(sharded))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    merged = {
+        **reference(out / "model-00001-of-00002.safetensors"),
+        **reference(out / "model-00002-of-00002.safetensors"),
+    }
+    original = reference(SAMPLES / "grads.safetensors")
+    for name, a in original.items():
+        expected = a if name == "step" else expected_scaled(a, c["scale"])
+        assert merged[name].tobytes() == expected.tobytes()
+
+
+def test_clip_global_norm_sharded_to_one_file(sharded, tmp_path):
+    out = tmp_path / "merged.safetensors"
+    ok("clip-global-norm", sharded, "-o", out, "--clip-norm", "5", "--quiet")
+    assert set(reference(out)) == set(reference(SAMPLES / "grads.safetensors"))
+
+
+def test_nonfinite_clip_is_refused_unless_allowed(nonfinite, tmp_path):
+    out = tmp_path / "o.safetensors"
+    for command in (["clip-global-norm"], ["clip-norm"]):
+        result = run(*command, nonfinite, "-o", out, "--clip-norm", "1")
+        assert result.exit_code == 1
+        assert result.stderr == (
+            f"clipcli: error: {nonfinite}: tensor w: holds 2 NaN and 1 Inf values; also 1 other tensor: v\n"
+        )
+        assert not out.exists()
+    ok("clip-global-norm", nonfinite, "-o", out, "--clip-norm", "1", "--allow-nonfinite")
+    got = reference(out)
+    assert all(np.isnan(got[n].astype(np.float64)).all() for n in ("ok", "w", "v"))
+
+
+def test_clip_to_npz_converts_and_refuses_bfloat16(grads, tmp_path):
+    result = run("clip-global-norm", grads, "-o", tmp_path / "o.npz", "--clip-norm", "5")
+    assert result.exit_code == 3
+    assert result.stderr.startswith(
+        f"clipcli: error: {tmp_path / 'o.npz'}: tensor model.embed_tokens.weight: "
+        "cannot write this dtype to .npy/.npz without losing it"
+    )
+    assert not (tmp_path / "o.npz").exists()
+    ok("clip-global-norm", SAMPLES / "grads.npz", "-o", tmp_path / "o.safetensors", "--clip-norm", "5")
+    with np.load(SAMPLES / "grads.npz") as z:
+        assert reference(tmp_path / "o.safetensors")["step"] == z["step"]
+
+
+# --- clip-norm --------------------------------------------------------------------------------------
+
+
+def test_clip_norm_per_tensor(grads, tmp_path):
+    out = tmp_path / "o.safetensors"
+    (c,) = js("clip-norm", grads, "-o", out, "--clip-norm", "4")["checkpoints"]
+    ref, got = reference(grads), reference(out)
+    for t in c["tensors"]:
+        a = ref[t["name"]]
+        n = fnorm([a])
+        expected = a if n <= 4 else expected_scaled(a, 4 / n)
+        assert got[t["name"]].tobytes() == expected.tobytes(), t["name"]
+        assert t["norm_after"] <= 4 * (1 + 1e-2)
+
+
+def test_clip_norm_along_axes(tmp_path):
+    rng = np.random.default_rng(5)
+    tensors = {
+        "m": rng.standard_normal((300, 40)).astype(np.float32) * 3,
+        "v": np.ones(5, np.float32),
+        "t": rng.standard_normal((6, 7, 8)).astype(np.float32),
+    }
+    src = write_st(tmp_path / "a.safetensors", tensors)
+    out = tmp_path / "o.safetensors"
+    (c,) = js("clip-norm", src, "-o", out, "--clip-norm", "2", "--axes", "-1")["checkpoints"]
+    got = reference(out)
+    for name in ("m", "t", "v"):
+        a = tensors[name].astype(np.float64)
+        rows = np.sqrt((a * a).sum(axis=-1, keepdims=True))
+        scale = np.where(rows <= 2, 1.0, 2 / rows)
+        expected = (tensors[name] * scale.astype(np.float32)).astype(np.float32)
+        assert got[name].tobytes() == expected.tobytes(), name
+    (c,) = js("clip-norm", src, "-o", out, "--clip-norm", "2", "--axes", "0,1")["checkpoints"]
+    assert c["skipped"] == [{"name": "v", "dtype": "float32", "reason": "rank 1 is too small for --axes 0,1"}]
+    a = tensors["t"].astype(np.float64)
+    cols = np.sqrt((a * a).sum(axis=(0, 1), keepdims=True))
+    expected = (tensors["t"] * np.where(cols <= 2, 1.0, 2 / cols).astype(np.float32)).astype(np.float32)
+    assert reference(out)["t"].tobytes() == expected.tobytes()
+    assert reference(out)["v"].tobytes() == tensors["v"].tobytes()
+
+
+# --- clip-value -------------------------------------------------------------------------------------
+
+
+def test_clip_value_rounds_bounds_to_each_dtype(tmp_path):
+    tensors = {
+        "b": np.array([0.5, 0.1, -3, np.nan], ml_dtypes.bfloat16),
+        "f": np.array([0.5, -np.inf, np.inf, 0.05], np.float32),
+        "i": np.array([5, -5], np.int64),
+    }
+    src = write_st(tmp_path / "v.safetensors", tensors)
+    out = tmp_path / "o.safetensors"
+    (c,) = js("clip-value", src, "-o", out, "--min", "-0.2", "--max", "0.1")["checkpoints"]
+    assert (c["min"], c["max"]) == (-0.2, 0.1)
+    got = reference(out)
+    assert got["b"][0] == ml_dtypes.bfloat16(0.1) and float(got["b"][0]) == 0.10009765625
+    assert float(got["b"][2]) == float(ml_dtypes.bfloat16(-0.2)) and np.isnan(got["b"][3].astype(np.float32))
+    np.testing.assert_array_equal(got["f"], np.array([0.1, -0.2, 0.1, 0.05], np.float32))
+    np.testing.assert_array_equal(got["i"], [5, -5])
+    assert [s["name"] for s in c["skipped"]] == ["i"]
+
+
+def test_clip_value_help_says_bounds_are_rounded():
+    assert "0.10009765625" in ok("clip-value", "--help").stdout
+
+
+# --- Writing: --dry-run, --in-place, --report, the input protected ------------------------------------
+
+
+def test_dry_run_writes_nothing(grads, tmp_path):
+    (c,) = js("clip-global-norm", grads, "--dry-run", "--clip-norm", "5")["checkpoints"]
+    assert c["output"] is None and c["global_norm_after"] == pytest.approx(5, rel=1e-2)
+    assert sorted(os.listdir(tmp_path)) == ["grads.safetensors"]
+    assert "dry run, nothing written" in ok("clip-value", grads, "--dry-run", "--min", "0", "--max", "1").stdout
+
+
+def test_in_place(grads):
+    before = reference(grads)
+    ok("clip-global-norm", grads, "--in-place", "--clip-norm", "5", "--quiet")
+    after = reference(grads)
+    assert after["step"] == before["step"]
+    assert fnorm([a for n, a in after.items() if n != "step"]) == pytest.approx(5, rel=1e-2)
+    assert sorted(os.listdir(grads.parent)) == ["grads.safetensors"]
+
+
+def test_output_onto_the_input_is_refused(grads):
+    before = grads.read_bytes()
+    result = run("clip-norm", grads, "-o", grads, "--clip-norm", "1")
+    assert result.exit_code == 4
+    assert result.stderr == f"clipcli: error: {grads}: refusing to overwrite the input (use --in-place to replace it)\n"
+    assert grads.read_bytes() == before
+
+
+def test_report_file(grads, tmp_path):
+    report = tmp_path / "r.json"
+    stdout = ok("clip-norm", grads, "--dry-run", "--clip-norm", "1", "--report", report, "--quiet").stdout
+    assert stdout == ""
+    data = json.loads(report.read_text())
+    assert data["command"] == "clip-norm" and data["checkpoints"][0]["clip_norm"] == 1.0
+
+
+def test_output_is_deterministic(grads, tmp_path):
+    first = ok("clip-global-norm", grads, "-o", tmp_path / "a.safetensors", "--clip-norm", "5", "--format", "json")
+    second = ok("clip-global-norm", grads, "-o", tmp_path / "b.safetensors", "--clip-norm", "5", "--format", "json")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert first.stdout.replace("a.safetensors", "b.safetensors") == second.stdout
+
+
+# --- Usage errors (2), before any file is read ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["clip-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "0"],
+        ["clip-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "-1"],
+        ["clip-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "inf"],
+        ["clip-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "nan"],
+        ["clip-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "abc"],
+        ["clip-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "1", "--axes", "a,b"],
+        ["clip-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "1", "--axes", "0,0"],
+        ["clip-global-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "1", "--use-norm", "-1"],
+        ["clip-global-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "1", "--use-norm", "inf"],
+        ["clip-global-norm", "missing.safetensors", "--clip-norm", "1"],
+        ["clip-global-norm", "missing.safetensors", "-o", "o.safetensors", "--in-place", "--clip-norm", "1"],
+        ["clip-global-norm", "a.safetensors", "b.safetensors", "-o", "o.safetensors", "--clip-norm", "1"],
+        ["clip-value", "missing.safetensors", "-o", "o.safetensors", "--min", "2", "--max", "1"],
+        ["clip-value", "missing.safetensors", "-o", "o.safetensors", "--min", "1"],
+        ["global-norm", "missing.safetensors", "--ord", "0"],
+        ["global-norm", "missing.safetensors", "--ord", "-2"],
+        ["global-norm", "missing.safetensors", "--depth", "0"],
+        ["global-norm", "missing.safetensors", "--sort", "random"],
+        ["global-norm", "missing.safetensors", "--fail-above", "x"],
+        ["global-norm", "missing.safetensors", "--format", "xml"],
+        ["global-norm"],
+        ["frobnicate"],
+    ],
+)
+def test_usage_errors_exit_2_before_reading(args):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert "Usage: clipcli" in result.output
+    assert "no such file" not in result.output
+
+
+# --- Unreadable input (3), write failures (4), bugs (70), interrupts (130) ----------------------------
+
+
+def test_unreadable_inputs_exit_3(tmp_path):
+    result = run("global-norm", tmp_path / "missing.safetensors")
+    assert (result.exit_code, result.stderr) == (
+        3,
+        f"clipcli: error: {tmp_path / 'missing.safetensors'}: no such file or directory\n",
+    )
+    lfs = tmp_path / "model.safetensors"
+    lfs.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+    result = run("clip-global-norm", lfs, "-o", tmp_path / "out.safetensors", "--clip-norm", "1")
+    assert result.exit_code == 3
+    assert result.stderr == (
+        f"clipcli: error: {lfs}: not a safetensors file: a Git LFS pointer, not the "
+        "checkpoint itself (run `git lfs pull`)\n"
+    )
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_write_failures_exit_4(grads, tmp_path):
+    (tmp_path / "adir.safetensors").mkdir()
+    result = run("clip-norm", grads, "-o", tmp_path / "adir.safetensors", "--clip-norm", "1")
+    assert (result.exit_code, result.stderr) == (
+        4,
+        f"clipcli: error: {tmp_path / 'adir.safetensors'}: is a directory\n",
+    )
+    result = run("clip-norm", grads, "-o", tmp_path / "no" / "such" / "dir.safetensors", "--clip-norm", "1")
+    assert result.exit_code == 4
+    assert result.stderr.startswith(f"clipcli: error: {tmp_path / 'no' / 'such' / 'dir.safetensors'}: ")
+    result = run("clip-norm", grads, "-o", tmp_path / "outdir", "--clip-norm", "1")
+    assert result.exit_code == 4 and "a directory output needs a sharded input" in result.stderr
+
+
+def test_internal_errors_exit_70_with_one_line(grads, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero\nsecond line")
+
+    monkeypatch.setattr(commands, "global_norm", broken)
+    result = run("global-norm", grads)
+    assert result.exit_code == 70
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("clipcli: error: internal error (ZeroDivisionError: division by zero second line);")
+    assert "Traceback" not in result.output
+    with pytest.raises(ZeroDivisionError):
+        run("global-norm", grads, "--debug")
+
+
+def test_interrupt_exits_130(grads, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "clip_global_norm", interrupted)
+    result = run("clip-global-norm", grads, "-o", grads.parent / "o.safetensors", "--clip-norm", "1")
+    assert (result.exit_code, result.stderr) == (130, "clipcli: interrupted\n")
+
+
+# --- The table --------------------------------------------------------------------------------------
+
+
+def test_table_matches_the_golden_file(grads, monkeypatch):
+    monkeypatch.chdir(grads.parent)
+    got = ok("global-norm", "grads.safetensors", "--depth", "3").stdout
+    golden = GOLDEN / "global-norm.txt"
+    if os.environ.get("CLIPCLI_UPDATE_GOLDEN"):
+        golden.write_text(got)
+    assert got == golden.read_text()
+
+
+def test_clip_table_matches_the_golden_file(grads, monkeypatch):
+    monkeypatch.chdir(grads.parent)
+    got = ok("clip-global-norm", "grads.safetensors", "-o", "clipped.safetensors", "--clip-norm", "5").stdout
+    golden = GOLDEN / "clip-global-norm.txt"
+    if os.environ.get("CLIPCLI_UPDATE_GOLDEN"):
+        golden.write_text(got)
+    assert got == golden.read_text()
+
+
+def test_names_are_text_never_markup_and_never_truncated(tmp_path):
+    long = "model.layers.17.block_sparse_moe.experts.63.w2.weight.with.a.very.long.suffix.that.goes.on"
+    src = write_st(
+        tmp_path / "m.safetensors",
+        {"attn[k]": np.ones(2, np.float32), "[bold]x[/bold]": np.ones(1), long: np.ones(3, np.float32)},
+    )
+    table = run("global-norm", src).stdout
+    assert "attn[k]" in table and "[bold]x[/bold]" in table
+    assert long in table.replace("\n", "") or all(part in table for part in long.split("."))
+    assert "…" not in table
+    wide = run("global-norm", src, env=WIDE).stdout
+    assert long in wide  # not a terminal and no COLUMNS: one line per row, however long
+
+
+# --- A real process ---------------------------------------------------------------------------------
+
+
+def test_real_subprocess(grads, tmp_path):
+    env = {**os.environ, "NO_COLOR": "1"}
+    cmd = [sys.executable, "-m", "clipcli"]
+    done = subprocess.run(
+        [*cmd, "global-norm", str(grads), "--format", "json"], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["checkpoints"][0]["global_norm"] > 0
+    done = subprocess.run(
+        [*cmd, "global-norm", str(grads), "--fail-above", "1"], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 1 and done.stderr.startswith("clipcli: error: ")
+    done = subprocess.run(
+        [*cmd, "inspect", str(tmp_path / "nope.npz")], capture_output=True, text=True, env=env, check=False
+    )
+    assert (done.returncode, done.stderr) == (
+        3,
+        f"clipcli: error: {tmp_path / 'nope.npz'}: no such file or directory\n",
+    )
+    done = subprocess.run(
+        [*cmd, "clip-norm", str(grads), "--clip-norm", "0"], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 2 and "Usage: clipcli clip-norm" in done.stderr
+    done = subprocess.run([*cmd, "--version"], capture_output=True, text=True, env=env, check=False)
+    assert done.stdout.startswith("clipcli ")
+
+
+# --- Docs -------------------------------------------------------------------------------------------
+
+COMMANDS = ["inspect", "global-norm", "clip-value", "clip-norm", "clip-global-norm"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_and_is_in_the_readme(command):
+    help_text = ok(command, "--help").stdout
+    assert len(help_text.split()) > 30
+    readme = (ROOT / "README.md").read_text()
+    assert f"clipcli {command}" in readme
+    assert f"### `{command}`" in readme
+
+
+def test_every_option_is_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for command in COMMANDS:
+        for word in ok(command, "--help").stdout.split():
+            option = word.strip("│,[]()")
+            if option.startswith("--") and option not in ("--help",):
+                assert option in readme, f"{command} {option}"

@@ -25,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,  # a crash must never dump tensors
+    rich_markup_mode=None,  # plain help and usage errors: rich is imported only to draw a report
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -108,6 +109,10 @@ InPlace = Annotated[bool, typer.Option("--in-place", help="Replace the input (at
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Compute and report, write nothing.")]
 ReportFile = Annotated[
     Path | None, typer.Option("--report", metavar="FILE", help="Also write the report as JSON to FILE.")
+]
+Jobs = Annotated[
+    int | None,
+    typer.Option("--jobs", "-j", min=1, metavar="N", help="Threads reading and computing (default: the cores)."),
 ]
 AllowNonfinite = Annotated[
     bool,
@@ -257,6 +262,10 @@ def _emit(
     sys.stdout.flush()
 
 
+def _jobs(jobs: int | None) -> int:
+    return jobs or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _selection(include: list[str] | None, exclude: list[str] | None) -> Any:
     from clipcli.commands import Selection
 
@@ -314,6 +323,7 @@ def global_norm(
     fail_nonfinite: Annotated[
         bool, typer.Option("--fail-nonfinite", help="Exit 1 if a selected tensor holds NaN or Inf.")
     ] = False,
+    jobs: Jobs = None,
     include: Include = None,
     exclude: Exclude = None,
     fmt: FormatOpt = Format.table,
@@ -335,7 +345,9 @@ def global_norm(
         with _progress(total, quiet) as progress:
             for ckpt in opened:
                 with ckpt:
-                    reports.append(commands.global_norm(ckpt, selection, p, depth, sort and sort.value, top, progress))
+                    sort_key = sort and sort.value
+                    report = commands.global_norm(ckpt, selection, p, depth, sort_key, top, progress, _jobs(jobs))
+                    reports.append(report)
         _emit("global-norm", p, reports, fmt, quiet)
         for r in reports:
             if fail_nonfinite:
@@ -361,6 +373,7 @@ def _clip(
     fmt: Format,
     quiet: bool,
     report_file: Path | None,
+    jobs: int | None,
     run: Callable[..., CheckpointReport],
 ) -> None:
     from clipcli import commands
@@ -372,7 +385,7 @@ def _clip(
         _usage("missing; give -o OUT, --in-place or --dry-run", "-o/--output")
     with open_checkpoint(checkpoint) as ckpt:
         target = None if dry_run else (ckpt.path if in_place else output)
-        job = commands.ClipJob(target, in_place, allow_nonfinite)
+        job = commands.ClipJob(target, in_place, allow_nonfinite, _jobs(jobs))
         with _progress(2 * sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
             report = run(ckpt, _selection(include, exclude), job, progress=progress)
     _emit(command, 2.0, [report], fmt, quiet, report_file)
@@ -400,6 +413,7 @@ def clip_value(
     in_place: InPlace = False,
     dry_run: DryRun = False,
     report_file: ReportFile = None,
+    jobs: Jobs = None,
     include: Include = None,
     exclude: Exclude = None,
     fmt: FormatOpt = Format.table,
@@ -429,6 +443,7 @@ def clip_value(
             fmt,
             quiet,
             report_file,
+            jobs,
             lambda *a, **k: commands.clip_value(*a, lo, hi, **k),
         )
 
@@ -458,6 +473,7 @@ def clip_norm(
     dry_run: DryRun = False,
     report_file: ReportFile = None,
     allow_nonfinite: AllowNonfinite = False,
+    jobs: Jobs = None,
     include: Include = None,
     exclude: Exclude = None,
     fmt: FormatOpt = Format.table,
@@ -486,6 +502,7 @@ def clip_norm(
             fmt,
             quiet,
             report_file,
+            jobs,
             lambda *a, **k: commands.clip_norm(*a, c, ax, **k),
         )
 
@@ -510,6 +527,7 @@ def clip_global_norm(
     dry_run: DryRun = False,
     report_file: ReportFile = None,
     allow_nonfinite: AllowNonfinite = False,
+    jobs: Jobs = None,
     include: Include = None,
     exclude: Exclude = None,
     fmt: FormatOpt = Format.table,
@@ -540,6 +558,7 @@ def clip_global_norm(
             fmt,
             quiet,
             report_file,
+            jobs,
             lambda *a, **k: commands.clip_global_norm(*a, c, g, **k),
         )
 

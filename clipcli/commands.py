@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -61,25 +62,45 @@ class _Measured:
 
 
 def _measure(
-    ckpt: Checkpoint, selection: Selection, p: float, progress: Progress, real_only: bool = False
+    ckpt: Checkpoint, selection: Selection, p: float, progress: Progress, jobs: int, real_only: bool = False
 ) -> _Measured:
-    total = core.NormAccumulator(p)
-    rows, skipped, per_tensor = [], [], {}
+    selected, skipped = [], []
     for t in ckpt.tensors:
         reason = selection.reason_to_skip(t, real_only)
         if reason:
             skipped.append(Skipped(t.name, t.dtype, reason))
-            continue
-        acc = core.NormAccumulator(p)
-        for chunk in ckpt.chunks(t):
-            acc.add(chunk)
-            progress(chunk.nbytes)
-        s = acc.result()
+        else:
+            selected.append(t)
+    # One accumulator per worker and tensor: every chunk but a tensor's last holds whole blocks, so a
+    # worker's chunks of a tensor add up like the whole tensor would, and merging is exact.
+    partial: list[dict[str, core.NormAccumulator]] = [{} for _ in range(max(jobs, 1))]
+
+    def add(worker: int, t: TensorInfo, chunk: np.ndarray) -> None:
+        acc = partial[worker].get(t.name)
+        if acc is None:
+            acc = partial[worker][t.name] = core.NormAccumulator(p)
+        acc.add(chunk)
+        progress(chunk.nbytes)
+
+    ckpt.scan(selected, add, jobs)
+    per_tensor = {t.name: core.NormAccumulator(p) for t in selected}
+    for accs in partial:
+        for name, acc in accs.items():
+            per_tensor[name].merge(acc)
+    total = core.NormAccumulator(p)
+    rows = []
+    for t in selected:
+        s = per_tensor[t.name].result()
         rows.append(TensorRow(t.name, t.dtype, t.shape, t.nbytes, s.norm, s.max_abs, s.nan, s.inf, None))
-        per_tensor[t.name] = acc
-        total.merge(acc)
+        total.merge(per_tensor[t.name])
     g = total.result().norm
     return _Measured([replace(r, share=_share(r.norm, g, p)) for r in rows], skipped, total, per_tensor)
+
+
+def _norm_of(chunk: np.ndarray, p: float) -> core.NormAccumulator:
+    acc = core.NormAccumulator(p)
+    acc.add(chunk)
+    return acc
 
 
 def _share(norm: float, g: float, p: float) -> float | None:
@@ -130,9 +151,10 @@ def global_norm(
     sort: str | None = None,
     top: int | None = None,
     progress: Progress = _no_progress,
+    jobs: int = 1,
 ) -> CheckpointReport:
     """Per-tensor norms and the global norm of the selected floating tensors."""
-    m = _measure(ckpt, selection, p, progress)
+    m = _measure(ckpt, selection, p, progress, jobs)
     g = m.total.result().norm
     groups = order(_groups(m, depth, p, g), sort, top) if depth else None
     return CheckpointReport(str(ckpt.path), g, order(m.rows, sort, top), tuple(m.skipped), groups)
@@ -167,37 +189,76 @@ class ClipJob:
     output: Path | None
     in_place: bool = False
     allow_nonfinite: bool = False
+    jobs: int = 1
 
 
-def _write(
-    ckpt: Checkpoint, job: ClipJob, transform: Callable[[TensorInfo], Iterable[np.ndarray] | None], progress: Progress
-) -> None:
-    """Streams every tensor through `transform` (None: unchanged) into the output, or nowhere on a dry run."""
+ChunkOp = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Op:
+    """What happens to one tensor's chunks; `align` keeps rows whole (or, at the size, the whole tensor)."""
+
+    apply: ChunkOp
+    align: int = 1
+
+
+class _InOrder:
+    """Hands out the ordered results of `map_chunks` tensor by tensor, as the writer asks for them."""
+
+    def __init__(self, results: Iterator[tuple[TensorInfo, Any]]):
+        self._results = results
+        self._head: tuple[TensorInfo, Any] | None = None
+        self._started = False
+
+    def take(self, t: TensorInfo) -> Iterator[Any]:
+        if not self._started:
+            self._head, self._started = next(self._results, None), True
+        while self._head is not None and self._head[0] is t:
+            yield self._head[1]
+            self._head = next(self._results, None)
+
+
+def _write(ckpt: Checkpoint, job: ClipJob, ops: dict[str, _Op], progress: Progress) -> dict[str, core.NormAccumulator]:
+    """Streams every tensor into the output (or nowhere, on a dry run), through its op if it has one.
+
+    Returns the norms of what was written, for the tensors that changed.
+    """
+
+    def work(t: TensorInfo, chunk: np.ndarray) -> tuple[np.ndarray, core.NormAccumulator | None]:
+        op = ops.get(t.name)
+        if op is None:
+            return chunk, None
+        out = op.apply(chunk)
+        return out, _norm_of(out, 2.0)
+
+    after = {name: core.NormAccumulator(2) for name in ops}
+    results = ckpt.map_chunks(ckpt.tensors, work, job.jobs, align={n: op.align for n, op in ops.items()})
+    stream = _InOrder(results)
 
     def chunks(t: TensorInfo) -> Iterator[np.ndarray]:
-        produced = transform(t)
-        for chunk in ckpt.chunks(t) if produced is None else produced:
-            yield chunk
-            progress(chunk.nbytes)
+        for out, acc in stream.take(t):
+            if acc is not None:
+                after[t.name].merge(acc)
+            progress(out.nbytes)
+            yield out
 
-    if job.output is None:
-        for t in ckpt.tensors:
-            for _ in chunks(t):
-                pass
-    else:
-        save(ckpt, job.output, chunks, in_place=job.in_place)
-
-
-def _after(acc: core.NormAccumulator, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
-    for chunk in chunks:
-        acc.add(chunk)
-        yield chunk
+    try:
+        if job.output is None:
+            for t in ckpt.tensors:
+                for _ in chunks(t):
+                    pass
+        else:
+            save(ckpt, job.output, chunks, in_place=job.in_place)
+    finally:
+        results.close()  # type: ignore[attr-defined]
+    return after
 
 
 def _finish(
-    ckpt: Checkpoint, job: ClipJob, m: _Measured, after: dict[str, core.NormAccumulator], p: float, **fields: object
+    ckpt: Checkpoint, job: ClipJob, m: _Measured, after: dict[str, core.NormAccumulator], **fields: object
 ) -> CheckpointReport:
-    total_after = core.NormAccumulator(p)
+    total_after = core.NormAccumulator(2)
     rows = []
     for r in m.rows:
         acc = after.get(r.name, m.per_tensor[r.name])
@@ -223,22 +284,14 @@ def clip_global_norm(
     progress: Progress = _no_progress,
 ) -> CheckpointReport:
     """`tf.clip_by_global_norm` over all selected floating and complex tensors: one common scale."""
-    m = _measure(ckpt, selection, 2.0, progress)
+    m = _measure(ckpt, selection, 2.0, progress, job.jobs)
     if not job.allow_nonfinite:
         check_nonfinite(str(ckpt.path), m.rows)
     g = m.total.result().norm if use_norm is None else use_norm
     scale = core.clip_scale(g, clip_norm)
-    selected = {r.name for r in m.rows}
-    after: dict[str, core.NormAccumulator] = {}
-
-    def transform(t: TensorInfo) -> Iterable[np.ndarray] | None:
-        if t.name not in selected or scale == 1.0:
-            return None
-        acc = after[t.name] = core.NormAccumulator(2)
-        return _after(acc, (core.scaled(c, scale) for c in ckpt.chunks(t)))
-
-    _write(ckpt, job, transform, progress)
-    return _finish(ckpt, job, m, after, 2.0, clip={"clip_norm": clip_norm}, scale=scale)
+    ops = {} if scale == 1.0 else {r.name: _Op(lambda c: core.scaled(c, scale)) for r in m.rows}
+    after = _write(ckpt, job, ops, progress)
+    return _finish(ckpt, job, m, after, clip={"clip_norm": clip_norm}, scale=scale)
 
 
 def clip_norm(
@@ -250,70 +303,63 @@ def clip_norm(
     progress: Progress = _no_progress,
 ) -> CheckpointReport:
     """`tf.clip_by_norm` on each selected tensor separately, over all axes or the given ones."""
-    m = _measure(ckpt, selection, 2.0, progress)
+    m = _measure(ckpt, selection, 2.0, progress, job.jobs)
     if not job.allow_nonfinite:
         check_nonfinite(str(ckpt.path), m.rows)
-    rank_skips = [r for r in m.rows if axes is not None and not _axes_fit(axes, len(r.shape))]
-    for r in rank_skips:
-        m.rows.remove(r)
-        m.skipped.append(
-            Skipped(r.name, r.dtype, f"rank {len(r.shape)} is too small for --axes {','.join(map(str, axes or ()))}")
-        )
-    selected = {r.name: r for r in m.rows}
-    after: dict[str, core.NormAccumulator] = {}
-
-    def transform(t: TensorInfo) -> Iterable[np.ndarray] | None:
-        r = selected.get(t.name)
-        if r is None:
-            return None
-        acc = after[t.name] = core.NormAccumulator(2)
-        ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
-        if ax is None or len(ax) == len(t.shape):
-            scale = core.clip_scale(r.norm, clip_norm)
-            if scale == 1.0:
-                del after[t.name]
-                return None
-            return _after(acc, (core.scaled(c, scale) for c in ckpt.chunks(t)))
-        return _after(acc, _clip_slices(ckpt, t, ax, clip_norm))
-
-    _write(ckpt, job, transform, progress)
-    m.total = core.NormAccumulator(2)
+    if axes is not None:
+        too_small = [r for r in m.rows if not _axes_fit(axes, len(r.shape))]
+        for r in too_small:
+            m.rows.remove(r)
+            reason = f"rank {len(r.shape)} is too small for --axes {','.join(map(str, axes))}"
+            m.skipped.append(Skipped(r.name, r.dtype, reason))
+        m.total = _total(m)
+    infos = {t.name: t for t in ckpt.tensors}
+    ops = {}
     for r in m.rows:
-        m.total.merge(m.per_tensor[r.name])
-    return _finish(ckpt, job, m, after, 2.0, clip={"clip_norm": clip_norm})
+        op = _clip_norm_op(infos[r.name], r.norm, clip_norm, axes)
+        if op is not None:
+            ops[r.name] = op
+    after = _write(ckpt, job, ops, progress)
+    return _finish(ckpt, job, m, after, clip={"clip_norm": clip_norm})
+
+
+def _total(m: _Measured) -> core.NormAccumulator:
+    total = core.NormAccumulator(2)
+    for r in m.rows:
+        total.merge(m.per_tensor[r.name])
+    return total
 
 
 def _axes_fit(axes: tuple[int, ...], rank: int) -> bool:
     return all(-rank <= a < rank for a in axes) and len({a % rank for a in axes}) == len(axes) if rank else False
 
 
-def _clip_slices(ckpt: Checkpoint, t: TensorInfo, axes: tuple[int, ...], clip: float) -> Iterator[np.ndarray]:
-    """Per-slice clipping. Slices along axis 0 are independent, so whole rows are streamed; when axis 0
-    is reduced, or the tensor is in Fortran order, the tensor is clipped whole (held in memory)."""
-    if 0 in axes or t.fortran_order:
-        yield core.clip_by_norm(ckpt.read(t), clip, axes).reshape(-1, order="F" if t.fortran_order else "C")
-        return
-    row = math.prod(t.shape[1:])
-    for chunk in ckpt.chunks(t, align=row):
-        yield core.clip_by_norm(chunk.reshape(-1, *t.shape[1:]), clip, axes).reshape(-1)
+def _clip_norm_op(t: TensorInfo, norm: float, clip: float, axes: tuple[int, ...] | None) -> _Op | None:
+    """The per-chunk op of `clip-norm` on one tensor; None when it comes back unchanged.
+
+    Over all axes the tensor's norm is known from the first pass: one scale. Slices along axis 0 are
+    independent, so with axes that leave axis 0 whole rows are streamed; when axis 0 is reduced, or the
+    tensor is in Fortran order, the op gets the whole tensor (held in memory).
+    """
+    ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
+    if ax is None or len(ax) == len(t.shape):
+        scale = core.clip_scale(norm, clip)
+        return None if scale == 1.0 else _Op(lambda c: core.scaled(c, scale))
+    if 0 in ax or t.fortran_order:
+        order = "F" if t.fortran_order else "C"
+        return _Op(lambda c: core.clip_by_norm(c.reshape(t.shape, order=order), clip, ax).ravel(order=order), t.size)
+    rest = t.shape[1:]
+    return _Op(lambda c: core.clip_by_norm(c.reshape(-1, *rest), clip, ax).reshape(-1), math.prod(rest))
 
 
 def clip_value(
     ckpt: Checkpoint, selection: Selection, job: ClipJob, lo: float, hi: float, progress: Progress = _no_progress
 ) -> CheckpointReport:
     """`tf.clip_by_value` on every selected real floating tensor; NaN stays NaN, +-inf is clipped."""
-    m = _measure(ckpt, selection, 2.0, progress, real_only=True)
-    selected = {r.name for r in m.rows}
-    after: dict[str, core.NormAccumulator] = {}
-
-    def transform(t: TensorInfo) -> Iterable[np.ndarray] | None:
-        if t.name not in selected:
-            return None
-        acc = after[t.name] = core.NormAccumulator(2)
-        return _after(acc, (core.clip_by_value(c, lo, hi) for c in ckpt.chunks(t)))
-
-    _write(ckpt, job, transform, progress)
-    return _finish(ckpt, job, m, after, 2.0, clip={"min": lo, "max": hi})
+    m = _measure(ckpt, selection, 2.0, progress, job.jobs, real_only=True)
+    ops = {r.name: _Op(lambda c: core.clip_by_value(c, lo, hi)) for r in m.rows}
+    after = _write(ckpt, job, ops, progress)
+    return _finish(ckpt, job, m, after, clip={"min": lo, "max": hi})
 
 
 def make_report(command: str, p: float, checkpoints: Sequence[CheckpointReport]) -> Report:

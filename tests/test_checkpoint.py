@@ -649,3 +649,49 @@ def test_malformed_sharded_checkpoints(tmp_path, mutate, error, message):
 def test_missing_file(tmp_path):
     with pytest.raises(MissingFileError, match="no such file"):
         open_checkpoint(tmp_path / "nope.safetensors")
+
+
+# --- Threads and chunk sizes do not change the result -------------------------------------------------
+
+
+@pytest.fixture
+def multi_chunk(tmp_path) -> Path:
+    rng = np.random.default_rng(9)
+    tensors = {
+        "a": (rng.standard_normal(700_001) * 1e3).astype(np.float32),
+        "b": rng.standard_normal((300, 1001)).astype(ml_dtypes.bfloat16),
+        "c": rng.standard_normal(5).astype(np.float16),
+        "d": rng.standard_normal(200_000) * 1e-200,
+    }
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(st_bytes(tensors))
+    return path
+
+
+@pytest.mark.parametrize("ord_", [2, 1, 3, np.inf])
+def test_scan_gives_the_same_bits_for_any_jobs_and_chunk_size(multi_chunk, ord_):
+    from clipcli.core import BLOCK
+
+    results = set()
+    with open_checkpoint(multi_chunk) as ckpt:
+        for jobs in (1, 2, 3):
+            for max_bytes in (BLOCK * 8, BLOCK * 8 * 3, 4 << 20):
+                partial = [{} for _ in range(jobs)]
+
+                def add(k, t, chunk, partial=partial):
+                    partial[k].setdefault(t.name, NormAccumulator(ord_)).add(chunk)
+
+                ckpt.scan(ckpt.tensors, add, jobs, max_bytes)
+                total = NormAccumulator(ord_)
+                for accs in partial:
+                    for acc in accs.values():
+                        total.merge(acc)
+                results.add(total.result())
+    assert len(results) == 1
+
+
+def test_map_chunks_keeps_order_with_threads(multi_chunk):
+    with open_checkpoint(multi_chunk) as ckpt:
+        expected = [(t.name, c.tobytes()) for t in ckpt.tensors for c in ckpt.chunks(t, 1 << 16)]
+        got = [(t.name, c.tobytes()) for t, c in ckpt.map_chunks(ckpt.tensors, lambda t, c: c.copy(), 3, 1 << 16)]
+    assert got == expected

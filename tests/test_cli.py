@@ -638,3 +638,35 @@ def test_every_option_is_in_the_readme():
             option = word.strip("│,[]()")
             if option.startswith("--") and option not in ("--help",):
                 assert option in readme, f"{command} {option}"
+
+
+def test_jobs_do_not_change_reports_or_outputs(tmp_path):
+    rng = np.random.default_rng(4)
+    src = write_st(
+        tmp_path / "big.safetensors",
+        {
+            "w": rng.standard_normal((3000, 1000)).astype(np.float32),
+            "b": rng.standard_normal((1000, 3000)).astype(ml_dtypes.bfloat16),
+            "r": rng.standard_normal((2000, 777)).astype(np.float32),
+        },
+    )
+    reports, files = set(), set()
+    for jobs in ("1", "2", "3"):
+        out = tmp_path / f"o{jobs}.safetensors"
+        reports.add(ok("global-norm", src, "--jobs", jobs, "--format", "json").stdout)
+        ok("clip-global-norm", src, "-o", out, "--clip-norm", "1", "--jobs", jobs, "--quiet")
+        ok(
+            "clip-norm",
+            src,
+            "-o",
+            tmp_path / f"n{jobs}.safetensors",
+            "--clip-norm",
+            "1",
+            "--axes",
+            "-1",
+            "--jobs",
+            jobs,
+            "--quiet",
+        )
+        files.add((out.read_bytes(), (tmp_path / f"n{jobs}.safetensors").read_bytes()))
+    assert len(reports) == 1 and len(files) == 1

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import threading
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
@@ -35,6 +38,7 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 4 << 20
+R = TypeVar("R")
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -93,6 +97,7 @@ class Checkpoint:
         self.index = index
         self._handles: dict[Any, BinaryIO] = {}
         self._zips: dict[str, zipfile.ZipFile] = {}
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -118,28 +123,162 @@ class Checkpoint:
         Raises:
             MalformedError: when the file turns out shorter than its header said.
         """
-        dtype = info._stored_dtype or info.array_dtype or np.dtype(np.uint8)
-        itemsize = dtype.itemsize
-        total = info.nbytes
-        if info.array_dtype is None:
-            per_chunk = max(max_bytes, 1)
-        else:
-            align = max(align, 1)
-            per_chunk = max(max_bytes // (itemsize * align), 1) * align * itemsize
-        per_chunk = min(per_chunk, total) or 1
+        dtype, per_chunk = _geometry(info, max_bytes, align)
         buf = np.empty(per_chunk, dtype=np.uint8)
         stream = self._open_stream(info)
         try:
-            done = 0
-            while done < total:
-                n = min(per_chunk, total - done)
+            for _, n in _spans(info.nbytes, per_chunk):
                 _read_exactly(stream, memoryview(buf)[:n], info)
-                done += n
-                chunk = buf[:n].view(dtype)
-                yield chunk if dtype.isnative else chunk.astype(dtype.newbyteorder("="))
+                yield _as_values(buf[:n], dtype)
         finally:
             if isinstance(info._location, _NpzLocation):
                 stream.close()
+
+    def scan(
+        self,
+        tensors: list[TensorInfo],
+        fn: Callable[[int, TensorInfo, np.ndarray], None],
+        jobs: int = 1,
+        max_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        """Calls `fn(worker, tensor, chunk)` for every chunk, from `jobs` threads, in no particular order.
+
+        Worker k takes chunks k, k + jobs, k + 2 * jobs, ... of the sequence `chunks()` makes, reading each
+        with `pread` into a buffer of its own: no hand-over between threads per chunk, so two threads use
+        two cores. Within a worker, the chunks of a tensor come in order. Tensors inside zip members are
+        read by one thread, from their stream.
+        """
+        if jobs <= 1 or any(isinstance(t._location, _NpzLocation) for t in tensors):
+            for t in tensors:
+                for chunk in self.chunks(t, max_bytes):
+                    fn(0, t, chunk)
+            return
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def work(k: int) -> None:
+            buf = np.empty(max_bytes, np.uint8)
+            i = 0
+            try:
+                for t in tensors:
+                    dtype, per_chunk = _geometry(t, max_bytes, 1)
+                    for offset, n in _spans(t.nbytes, per_chunk):
+                        if i % jobs == k:
+                            if stop.is_set():
+                                return
+                            self._pread(t, offset, buf[:n])
+                            fn(k, t, _as_values(buf[:n], dtype))
+                        i += 1
+            except BaseException as e:
+                errors.append(e)
+                stop.set()
+
+        threads = [threading.Thread(target=work, args=(k,), name=f"clipcli-scan-{k}") for k in range(jobs)]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.1)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        if errors:
+            raise errors[0]
+
+    def map_chunks(
+        self,
+        tensors: list[TensorInfo],
+        fn: Callable[[TensorInfo, np.ndarray], R],
+        jobs: int = 1,
+        max_bytes: int = CHUNK_BYTES,
+        align: dict[str, int] | None = None,
+    ) -> Iterator[tuple[TensorInfo, R]]:
+        """`fn(tensor, chunk)` for every chunk of every tensor, in order, computed by `jobs` threads.
+
+        Each thread reads its chunks with `pread` into buffers of its own, so the file is still read about
+        sequentially; NumPy releases the GIL in its kernels, so two threads use two cores. A chunk (and a
+        result that is a view of it) stays valid until the caller asks for the next result. Chunks are
+        multiples of `max_bytes // itemsize` elements (and of `align[name]`), as `chunks()` makes them.
+        Tensors inside zip members are read by one thread, from their stream.
+        """
+        align = align or {}
+        if jobs <= 1 or any(isinstance(t._location, _NpzLocation) for t in tensors):
+            for t in tensors:
+                for chunk in self.chunks(t, max_bytes, align.get(t.name, 1)):
+                    yield t, fn(t, chunk)
+            return
+
+        def spans() -> Iterator[tuple[TensorInfo, int, int, np.dtype]]:
+            for t in tensors:
+                dtype, per_chunk = _geometry(t, max_bytes, align.get(t.name, 1))
+                for offset, n in _spans(t.nbytes, per_chunk):
+                    yield t, offset, n, dtype
+
+        tasks = spans()
+        free: list[np.ndarray] = []
+        inflight: collections.deque[tuple[Future[R], np.ndarray]] = collections.deque()
+        pool = ThreadPoolExecutor(jobs, thread_name_prefix="clipcli-read")
+
+        def submit() -> None:
+            task = next(tasks, None)
+            if task is not None:
+                t, offset, n, dtype = task
+                buf = free.pop() if free else np.empty(max_bytes, np.uint8)
+                if buf.size < n:  # a row larger than a chunk
+                    buf = np.empty(n, np.uint8)
+                inflight.append((pool.submit(self._read_apply, t, offset, n, dtype, buf, fn), buf))
+
+        try:
+            for _ in range(2 * jobs):
+                submit()
+            while inflight:
+                future, buf = inflight.popleft()
+                yield future.result()
+                free.append(buf)
+                submit()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read_apply(
+        self,
+        t: TensorInfo,
+        offset: int,
+        n: int,
+        dtype: np.dtype,
+        buf: np.ndarray,
+        fn: Callable[[TensorInfo, np.ndarray], R],
+    ) -> tuple[TensorInfo, R]:
+        self._pread(t, offset, buf[:n])
+        return t, fn(t, _as_values(buf[:n], dtype))
+
+    def _pread(self, t: TensorInfo, offset: int, buf: np.ndarray) -> None:
+        """Fills `buf` with the tensor's bytes from `offset` on."""
+        fd = self._fd(t.file)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < buf.size:
+                k = os.preadv(fd, [view[got:]], t._location + offset + got)
+                if not k:
+                    raise MalformedError("the file ends before the tensor's data does", t.file, t.name)
+                got += k
+        except OSError as e:
+            raise InputError(f"cannot read: {e.strerror or e}", t.file, t.name) from e
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            return self._open(file).fileno()
+
+    def _open(self, file: str) -> BinaryIO:
+        f = self._handles.get(file)
+        if f is None:
+            try:
+                f = self._handles[file] = open(file, "rb", buffering=0)  # noqa: SIM115 (closed in close())
+            except OSError as e:
+                raise MissingFileError(e.strerror or str(e), file) from e
+        return f
 
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor as an array of its shape in C order (for small tensors and tests)."""
@@ -158,14 +297,30 @@ class Checkpoint:
             stream = z.open(loc.member)
             stream.read(loc.data_offset)
             return stream
-        f = self._handles.get(info.file)
-        if f is None:
-            try:
-                f = self._handles[info.file] = open(info.file, "rb", buffering=0)  # noqa: SIM115 (closed in close())
-            except OSError as e:
-                raise MissingFileError(e.strerror or str(e), info.file) from e
+        with self._lock:
+            f = self._open(info.file)
         f.seek(loc)
         return f
+
+
+def _geometry(info: TensorInfo, max_bytes: int, align: int) -> tuple[np.dtype, int]:
+    """The dtype a tensor's bytes are read as, and the bytes in each chunk but the last."""
+    dtype = info._stored_dtype or info.array_dtype or np.dtype(np.uint8)
+    if info.array_dtype is None:
+        per_chunk = max(max_bytes, 1)
+    else:
+        per_chunk = max(max_bytes // (dtype.itemsize * align), 1) * align * dtype.itemsize
+    return dtype, min(per_chunk, info.nbytes) or 1
+
+
+def _spans(total: int, per_chunk: int) -> Iterator[tuple[int, int]]:
+    for offset in range(0, total, per_chunk):
+        yield offset, min(per_chunk, total - offset)
+
+
+def _as_values(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    values = raw.view(dtype)
+    return values if dtype.isnative else values.astype(dtype.newbyteorder("="))
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,8 @@ def clip_global_norm(
         check_nonfinite(str(ckpt.path), m.rows)
     g = m.total.result().norm if use_norm is None else use_norm
     scale = core.clip_scale(g, clip_norm)
-    ops = {} if scale == 1.0 else {r.name: _Op(lambda c: core.scaled(c, scale)) for r in m.rows}
+    # Chunks are the workers' own buffers: scaling them in place allocates nothing.
+    ops = {} if scale == 1.0 else {r.name: _Op(lambda c: core.scaled(c, scale, out=c)) for r in m.rows}
     after = _write(ckpt, job, ops, progress)
     return _finish(ckpt, job, m, after, clip={"clip_norm": clip_norm}, scale=scale)
 
@@ -344,7 +345,7 @@ def _clip_norm_op(t: TensorInfo, norm: float, clip: float, axes: tuple[int, ...]
     ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
     if ax is None or len(ax) == len(t.shape):
         scale = core.clip_scale(norm, clip)
-        return None if scale == 1.0 else _Op(lambda c: core.scaled(c, scale))
+        return None if scale == 1.0 else _Op(lambda c: core.scaled(c, scale, out=c))
     if 0 in ax or t.fortran_order:
         order = "F" if t.fortran_order else "C"
         return _Op(lambda c: core.clip_by_norm(c.reshape(t.shape, order=order), clip, ax).ravel(order=order), t.size)

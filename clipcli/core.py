@@ -404,22 +404,30 @@ def clip_scale(norm: Any, clip_norm: float) -> Any:
     return scale if scale.ndim else float(scale)
 
 
-def scaled(t: np.ndarray, scale: Any) -> np.ndarray:
+def scaled(t: np.ndarray, scale: Any, out: np.ndarray | None = None) -> np.ndarray:
     """`t * scale` rounded once to t's dtype: float32 arithmetic for <= 32-bit types, float64 for float64.
 
-    A scale of exactly 1.0 returns an identical copy (no ulp drift).
+    A scale of exactly 1.0 gives an identical copy (no ulp drift). `out` (t's dtype and shape; it may be
+    `t` itself) receives the result instead of a new array.
     """
     _check_inexact(t, "scaling")
     scale = np.asarray(scale, dtype=np.float64)
     if not scale.ndim and scale == 1.0:
-        return t.copy()
+        if out is None:
+            return t.copy()
+        np.copyto(out, t)
+        return out
     if t.dtype in (np.float64, np.complex128):
-        return (t * scale).astype(t.dtype, copy=False)
+        return np.multiply(t, scale, out=out)
     factor = scale.astype(np.float32)
     if t.dtype in (np.float32, np.complex64):
-        return (t * factor).astype(t.dtype, copy=False)
+        return np.multiply(t, factor, out=out)
     with np.errstate(invalid="ignore", over="ignore"):  # rounding NaN/overflow into a narrow type is wanted
-        return (t.astype(np.float32) * factor).astype(t.dtype)
+        product = t.astype(np.float32) * factor
+        if out is None:
+            return product.astype(t.dtype)
+        np.copyto(out, product, casting="unsafe")
+        return out
 
 
 def _as_tensor(t: Any) -> np.ndarray:

@@ -470,3 +470,14 @@ def test_exact_sum_rounds_correctly_across_tensors():
         part.add(np.array([v]))
         squares.merge(part)
     assert squares.result().norm == exact_norm([3.0, 4.0, 2.0**-40])
+
+
+@pytest.mark.parametrize("dtype", [F32, np.float64, np.float16, ml_dtypes.bfloat16, np.complex64])
+def test_scaled_into_out_equals_scaled(dtype):
+    t = (np.arange(-50, 50) * 1.37).astype(dtype)
+    expected = core.scaled(t, 0.3)
+    buf = t.copy()
+    assert core.scaled(buf, 0.3, out=buf) is buf
+    assert buf.tobytes() == expected.tobytes()
+    same = t.copy()
+    assert core.scaled(same, 1.0, out=same).tobytes() == t.tobytes()

@@ -39,6 +39,7 @@ __all__ = [
 
 CHUNK_BYTES = 4 << 20
 R = TypeVar("R")
+_CHUNKS_PER_THREAD = 4
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -148,6 +149,8 @@ class Checkpoint:
         two cores. Within a worker, the chunks of a tensor come in order. Tensors inside zip members are
         read by one thread, from their stream.
         """
+        chunks = sum(-(-t.nbytes // max_bytes) for t in tensors)
+        jobs = min(jobs, chunks // _CHUNKS_PER_THREAD)  # threads do not pay for themselves on small inputs
         if jobs <= 1 or any(isinstance(t._location, _NpzLocation) for t in tensors):
             for t in tensors:
                 for chunk in self.chunks(t, max_bytes):
@@ -204,6 +207,8 @@ class Checkpoint:
         Tensors inside zip members are read by one thread, from their stream.
         """
         align = align or {}
+        chunks = sum(-(-t.nbytes // max_bytes) for t in tensors)
+        jobs = min(jobs, chunks // _CHUNKS_PER_THREAD)
         if jobs <= 1 or any(isinstance(t._location, _NpzLocation) for t in tensors):
             for t in tensors:
                 for chunk in self.chunks(t, max_bytes, align.get(t.name, 1)):

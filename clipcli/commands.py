@@ -193,6 +193,7 @@ class ClipJob:
 
 
 ChunkOp = Callable[[np.ndarray], np.ndarray]
+_ROW_GROUP = 1 << 18  # values clipped per step along rows
 
 
 @dataclass(frozen=True)
@@ -350,7 +351,16 @@ def _clip_norm_op(t: TensorInfo, norm: float, clip: float, axes: tuple[int, ...]
         order = "F" if t.fortran_order else "C"
         return _Op(lambda c: core.clip_by_norm(c.reshape(t.shape, order=order), clip, ax).ravel(order=order), t.size)
     rest = t.shape[1:]
-    return _Op(lambda c: core.clip_by_norm(c.reshape(-1, *rest), clip, ax).reshape(-1), math.prod(rest))
+    row = math.prod(rest)
+    group = max(_ROW_GROUP // max(row, 1), 1)
+
+    def clip_rows(c: np.ndarray) -> np.ndarray:
+        rows = c.reshape(-1, *rest)
+        for i in range(0, len(rows), group):  # a few rows at a time: float64 temporaries stay small
+            rows[i : i + group] = core.clip_by_norm(rows[i : i + group], clip, ax)
+        return c
+
+    return _Op(clip_rows, row)
 
 
 def clip_value(
@@ -358,7 +368,7 @@ def clip_value(
 ) -> CheckpointReport:
     """`tf.clip_by_value` on every selected real floating tensor; NaN stays NaN, +-inf is clipped."""
     m = _measure(ckpt, selection, 2.0, progress, job.jobs, real_only=True)
-    ops = {r.name: _Op(lambda c: core.clip_by_value(c, lo, hi)) for r in m.rows}
+    ops = {r.name: _Op(lambda c: core.clip_by_value(c, lo, hi, out=c)) for r in m.rows}
     after = _write(ckpt, job, ops, progress)
     return _finish(ckpt, job, m, after, clip={"min": lo, "max": hi})
 

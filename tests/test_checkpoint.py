@@ -430,6 +430,15 @@ def flip_last_data_byte(zipped: bytes) -> bytes:
     return bytes(b)
 
 
+def encrypted(zipped: bytes) -> bytes:
+    """The archive with the 'encrypted' flag set on its member, in both the local and central headers."""
+    b = bytearray(zipped)
+    b[6] |= 1
+    central = b.rfind(b"PK\x01\x02")
+    b[central + 8] |= 1
+    return bytes(b)
+
+
 DUPLICATE = (
     b'{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
 )
@@ -573,6 +582,11 @@ MALFORMED = {
         "declares 8000000000",
     ),
     "crc.npz": (flip_last_data_byte(zip_bytes({"x.npy": npy_bytes(np.arange(4.0))})), MalformedError, "Bad CRC-32"),
+    "encrypted.npz": (
+        encrypted(zip_bytes({"x.npy": npy_bytes(np.ones(2))})),
+        MalformedError,
+        "is encrypted, password required",
+    ),  # found by the fuzzer: zipfile raises RuntimeError
     "unknown.bin": (b"\x00" * 16, FileTypeError, "unknown checkpoint suffix"),
 }
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import collections
 import json
+import lzma
 import math
 import os
+import struct
 import threading
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -328,6 +331,14 @@ def _as_values(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return values if dtype.isnative else values.astype(dtype.newbyteorder("="))
 
 
+# What a damaged zip member raises while it is decompressed (bzip2 reports bad data as OSError).
+_ZIP_DATA_ERRORS = (zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
 @dataclass(frozen=True)
 class _NpzLocation:
     member: str
@@ -342,8 +353,8 @@ def _read_exactly(stream: BinaryIO, view: memoryview, info: TensorInfo) -> None:
             if not n:
                 raise MalformedError("the file ends before the tensor's data does", info.file, info.name)
             got += n
-    except (zipfile.BadZipFile, EOFError) as e:
-        raise MalformedError(f"corrupt zip member ({e})", info.file, info.name) from e
+    except _ZIP_DATA_ERRORS as e:
+        raise MalformedError(f"corrupt zip member ({_one_line(e)})", info.file, info.name) from e
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", info.file, info.name) from e
 
@@ -445,8 +456,18 @@ def _read_npz(path: Path) -> list[TensorInfo]:
                     )
                 tensors.append(_numpy_tensor(name, header, path, _NpzLocation(member.filename, header.data_offset)))
             return tensors
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError, ValueError) as e:
-        raise MalformedError(f"not a valid zip archive ({e})", path) from e
+    # zipfile's own words for a damaged archive, and RuntimeError for an encrypted member
+    except (
+        *_ZIP_DATA_ERRORS,
+        zipfile.LargeZipFile,
+        NotImplementedError,
+        ValueError,
+        RuntimeError,
+        struct.error,
+        OverflowError,
+        OSError,
+    ) as e:
+        raise MalformedError(f"not a valid zip archive ({_one_line(e)})", path) from e
 
 
 def _open_index(path: Path) -> Checkpoint:

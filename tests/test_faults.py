@@ -1,0 +1,343 @@
+"""Faults: the exit-status contract through real processes, kill -9, a full disk, read-only targets, Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from clipcli.checkpoint import _safetensors
+from clipcli.cli import app
+from tests.conftest import st_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
+
+
+def clipcli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "clipcli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+@pytest.fixture
+def files(tmp_path) -> dict[str, Path]:
+    grads = tmp_path / "grads.safetensors"
+    shutil.copy(ROOT / "samples" / "grads.safetensors", grads)
+    nan = tmp_path / "nan.safetensors"
+    nan.write_bytes(st_bytes({"ok": np.ones(2, np.float32), "w": np.array([1.0, np.nan], np.float32)}))
+    lfs = tmp_path / "lfs.safetensors"
+    lfs.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 1\n")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(grads.read_bytes()[:1000])
+    (tmp_path / "adir.safetensors").mkdir()
+    return {
+        "grads": grads,
+        "nan": nan,
+        "lfs": lfs,
+        "cut": cut,
+        "out": tmp_path / "out.safetensors",
+        "npz": tmp_path / "out.npz",
+        "missing": tmp_path / "missing.npz",
+        "adir": tmp_path / "adir.safetensors",
+    }
+
+
+# Every row of the spec's exit-status table (1, 2, 3, 4), with the exact last line of stderr.
+SCENARIOS = [
+    ("success", ["global-norm", "{grads}", "--quiet"], 0, None),
+    (
+        "gradients exploded",
+        ["global-norm", "{grads}", "--fail-above", "100", "--quiet"],
+        1,
+        "clipcli: error: {grads}: global norm {g} exceeds --fail-above 100.0",
+    ),
+    (
+        "a NaN with --fail-nonfinite",
+        ["global-norm", "{nan}", "--fail-nonfinite", "--quiet"],
+        1,
+        "clipcli: error: {nan}: tensor w: holds 1 NaN and 0 Inf values",
+    ),
+    (
+        "a norm not finite with --fail-above",
+        ["global-norm", "{nan}", "--fail-above", "1e9", "--quiet"],
+        1,
+        "clipcli: error: {nan}: global norm is nan, not finite (--fail-above 1000000000.0)",
+    ),
+    (
+        "a clip of non-finite data",
+        ["clip-global-norm", "{nan}", "-o", "{out}", "--clip-norm", "1"],
+        1,
+        "clipcli: error: {nan}: tensor w: holds 1 NaN and 0 Inf values",
+    ),
+    (
+        "a bad value",
+        ["clip-norm", "{grads}", "-o", "{out}", "--clip-norm", "-1"],
+        2,
+        "Error: Invalid value for --clip-norm: must be a finite number > 0, got -1.0",
+    ),
+    (
+        "min above max",
+        ["clip-value", "{grads}", "-o", "{out}", "--min", "2", "--max", "1"],
+        2,
+        "Error: Invalid value for --min: --min 2 exceeds --max 1",
+    ),
+    (
+        "an unknown option",
+        ["global-norm", "{grads}", "--frobnicate"],
+        2,
+        "Error: No such option: --frobnicate (Possible options: --format)",
+    ),
+    ("a missing file", ["inspect", "{missing}"], 3, "clipcli: error: {missing}: no such file or directory"),
+    (
+        "a Git LFS pointer",
+        ["global-norm", "{lfs}"],
+        3,
+        "clipcli: error: {lfs}: not a safetensors file: a Git LFS "
+        "pointer, not the checkpoint itself (run `git lfs pull`)",
+    ),
+    (
+        "a truncated file",
+        ["clip-global-norm", "{cut}", "-o", "{out}", "--clip-norm", "1"],
+        3,
+        "clipcli: error: {cut}: header length 1744 runs past the end of the file (1000 bytes)",
+    ),
+    (
+        "a lossy conversion",
+        ["clip-value", "{grads}", "-o", "{npz}", "--min", "0", "--max", "1"],
+        3,
+        "clipcli: error: {npz}: tensor model.embed_tokens.weight: cannot write this dtype to .npy/.npz without "
+        "losing it (NumPy has no portable type for it); write .safetensors instead",
+    ),
+    (
+        "an overwrite of the input",
+        ["clip-norm", "{grads}", "-o", "{grads}", "--clip-norm", "1"],
+        4,
+        "clipcli: error: {grads}: refusing to overwrite the input (use --in-place to replace it)",
+    ),
+    (
+        "a directory in the way",
+        ["clip-norm", "{grads}", "-o", "{adir}", "--clip-norm", "1"],
+        4,
+        "clipcli: error: {adir}: is a directory",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "status", "line"), SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_exit_status_contract(files, name, args, status, line):
+    report = json.loads(clipcli("global-norm", files["grads"], "--format", "json").stdout)
+    g = repr(report["checkpoints"][0]["global_norm"])
+    before = {k: digest(p) for k, p in files.items() if p.is_file()}
+    done = clipcli(*(a.format(**files) for a in args))
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    if line is None:
+        assert done.stderr == ""
+    else:
+        assert done.stderr.rstrip("\n").splitlines()[-1] == line.format(**files, g=g)
+        if status != 2:
+            assert done.stderr.count("\n") == 1
+    assert {k: digest(p) for k, p in files.items() if k in before} == before  # no input touched
+    if status:
+        assert not files["out"].exists() and not files["npz"].exists()
+    assert leftovers(files["grads"].parent) == []
+
+
+def test_internal_error_is_70_with_one_line(files):
+    code = (
+        "import sys, clipcli.commands as c\n"
+        "def boom(*a, **k): raise RuntimeError('boom')\n"
+        "c.global_norm = boom\n"
+        "from clipcli.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "global-norm", str(files["grads"])],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        check=False,
+    )
+    assert done.returncode == 70
+    assert done.stderr.startswith("clipcli: error: internal error (RuntimeError: boom); this is a bug, please report")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Path:
+    """A 96 MiB checkpoint: long enough to interrupt in the middle of a clip."""
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    rng = np.random.default_rng(3)
+    block = rng.standard_normal(1 << 20).astype(np.float32)
+    tensors = {f"layers.{i}.w": np.resize(block, (1024, 1024)) * (i + 1) for i in range(20)}
+    tensors["layers.b"] = np.resize(block, 1 << 22).astype(ml_dtypes.bfloat16)
+    path.write_bytes(st_bytes(tensors))
+    return path
+
+
+def test_sigkill_leaves_old_bytes_or_a_complete_file(big, tmp_path):
+    expected = tmp_path / "expected.safetensors"
+    start = time.monotonic()
+    assert clipcli("clip-global-norm", big, "-o", expected, "--clip-norm", "1", "--quiet").returncode == 0
+    duration = time.monotonic() - start
+    out = tmp_path / "out.safetensors"
+    old = b"old bytes that must survive"
+    source = digest(big)
+    interrupted = 0
+    for delay in (duration * f for f in (0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.5)):
+        out.write_bytes(old)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "clipcli",
+                "clip-global-norm",
+                str(big),
+                "-o",
+                str(out),
+                "--clip-norm",
+                "1",
+                "--quiet",
+            ],
+            env=ENV,
+        )
+        time.sleep(delay)
+        interrupted += proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        content = out.read_bytes()
+        assert content == old or content == expected.read_bytes(), delay
+        assert digest(big) == source
+        for name in leftovers(tmp_path):  # a killed process cannot clean up; its file is only a temporary
+            (tmp_path / name).unlink()
+    assert interrupted >= 4  # most kills landed while the clip was running (the last one after it)
+
+
+def test_sigint_exits_130_and_removes_the_temporary_file(big, tmp_path):
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"old")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clipcli", "clip-global-norm", str(big), "-o", str(out), "--clip-norm", "1", "--quiet"],
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # wait until the write has started
+    assert proc.poll() is None, "the clip finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stderr == "clipcli: interrupted\n"
+    assert out.read_bytes() == b"old"
+    assert leftovers(tmp_path) == []
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, options: str):
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the simulated test covers it")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_full_disk_exits_4_and_leaves_nothing(files, tmp_path):
+    with mounted_tmpfs(tmp_path / "small", "size=64k") as small:
+        out = small / "out.safetensors"
+        done = clipcli("clip-global-norm", files["grads"], "-o", out, "--clip-norm", "1")
+        assert done.returncode == 4
+        assert done.stderr == f"clipcli: error: {out}: No space left on device\n"
+        assert list(small.iterdir()) == []
+
+
+def test_read_only_target_exits_4(files, tmp_path):
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=64k") as ro:
+        out = ro / "out.safetensors"
+        done = clipcli("clip-global-norm", files["grads"], "-o", out, "--clip-norm", "1")
+        assert done.returncode == 4
+        assert done.stderr == f"clipcli: error: {out}: cannot create a file in {ro}: Read-only file system\n"
+
+
+def test_simulated_full_disk(files, tmp_path, monkeypatch):
+    written = []
+
+    def write_data(f, chunks):
+        for chunk in chunks:
+            written.append(chunk.nbytes)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return 0
+
+    monkeypatch.setattr(_safetensors, "write_data", write_data)
+    result = CliRunner().invoke(
+        app,
+        ["clip-global-norm", str(files["grads"]), "-o", str(files["out"]), "--clip-norm", "1"],
+        env={"NO_COLOR": "1"},
+    )
+    assert written
+    assert result.exit_code == 4
+    assert result.stderr == f"clipcli: error: {files['out']}: No space left on device\n"
+    assert not files["out"].exists() and leftovers(tmp_path) == []
+
+
+def test_unwritable_directory_simulated(files, tmp_path, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    result = CliRunner().invoke(
+        app, ["clip-norm", str(files["grads"]), "-o", str(files["out"]), "--clip-norm", "1"], env={"NO_COLOR": "1"}
+    )
+    assert result.exit_code == 4
+    assert result.stderr == f"clipcli: error: {files['out']}: cannot create a file in {tmp_path}: Permission denied\n"
+
+
+def test_symlinked_output_and_in_place(files, tmp_path):
+    target = tmp_path / "real.safetensors"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target.name)
+    assert clipcli("clip-global-norm", files["grads"], "-o", link, "--clip-norm", "1", "--quiet").returncode == 0
+    assert link.is_symlink() and target.read_bytes() != b"old"
+    clipped = target.read_bytes()
+    # --in-place through a link replaces the file it points to; the link stays a link.
+    alias = tmp_path / "alias.safetensors"
+    alias.symlink_to(target.name)
+    assert clipcli("clip-global-norm", alias, "--in-place", "--clip-norm", "0.5", "--quiet").returncode == 0
+    assert alias.is_symlink() and target.read_bytes() != clipped
+    # An output that is a link to the input is the input: refused.
+    done = clipcli("clip-global-norm", target, "-o", alias, "--clip-norm", "0.1")
+    assert done.returncode == 4 and "refusing to overwrite the input" in done.stderr

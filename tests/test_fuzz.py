@@ -1,0 +1,313 @@
+"""Fuzzing the parsers: mutated checkpoints are read correctly or rejected with clipcli's own error.
+
+The normal run tries a bounded number of examples per property; the large run is
+
+    CLIPCLI_FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz.py -q
+
+Each example must finish within the deadline (no hang) and allocate no more than a small multiple of the
+file's size plus one read buffer (a header that claims a terabyte in a kilobyte is refused before
+allocating anything).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clipcli.checkpoint import CHUNK_BYTES, open_checkpoint
+from clipcli.core import NormAccumulator
+from clipcli.errors import ClipcliError
+from tests.conftest import st_bytes
+
+EXAMPLES = int(os.environ.get("CLIPCLI_FUZZ_EXAMPLES", "120"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=5000,  # milliseconds: a crafted file must not make clipcli hang
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    derandomize=EXAMPLES <= 1000,  # the normal run is the same every time; the large run explores
+)
+
+
+def read_everything(path: Path) -> str:
+    """'ok' after reading every tensor and its norm, or the message of clipcli's error; nothing else."""
+    tracemalloc.start()
+    try:
+        with open_checkpoint(path) as ckpt:
+            for t in ckpt.tensors:
+                acc = NormAccumulator(2)
+                for chunk in ckpt.chunks(t):
+                    if t.array_dtype is not None and t.array_dtype.kind in "fc":
+                        acc.add(chunk)
+        outcome = "ok"
+    except ClipcliError as e:
+        outcome = str(e)
+        assert "\n" not in outcome and outcome.startswith(str(path))
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak <= 16 * path.stat().st_size + CHUNK_BYTES + (8 << 20), peak
+    return outcome
+
+
+def base_safetensors() -> list[bytes]:
+    rng = np.random.default_rng(0)
+    return [
+        st_bytes(
+            {"a": rng.standard_normal((3, 4)).astype(np.float32), "b": np.arange(5, dtype=np.int64)}, {"format": "pt"}
+        ),
+        st_bytes(
+            {
+                "w": rng.standard_normal(16).astype(ml_dtypes.bfloat16),
+                "e": np.zeros((0, 3), np.float16),
+                "s": np.array(2.5),
+            }
+        ),
+        st_bytes({"f8": rng.standard_normal(8).astype(ml_dtypes.float8_e4m3fn)}),
+    ]
+
+
+def npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def zip_of(members: dict[str, bytes], method: int) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", method) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+BASE_NPY = [
+    npy_bytes(np.arange(12, dtype=np.float32).reshape(3, 4)),
+    npy_bytes(np.ones((2, 2), ">f8")),
+    npy_bytes(np.asfortranarray(np.arange(6.0).reshape(2, 3))),
+]
+BASE_NPZ = [
+    zip_of({"x.npy": BASE_NPY[0], "y.npy": BASE_NPY[1]}, zipfile.ZIP_STORED),
+    zip_of({"x.npy": BASE_NPY[2]}, zipfile.ZIP_DEFLATED),
+    zip_of({"x.npy": BASE_NPY[0]}, zipfile.ZIP_BZIP2),
+    zip_of({"x.npy": BASE_NPY[1]}, zipfile.ZIP_LZMA),
+]
+
+
+@st.composite
+def byte_mutations(draw, data: bytes) -> bytes:
+    """Flips, truncations, insertions and rewritten length fields, a few at a time."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "truncate", "insert", "u64", "u32", "zero"]))
+        if not out:
+            break
+        pos = draw(st.integers(0, len(out) - 1))
+        if kind == "flip":
+            out[pos] ^= draw(st.integers(1, 255))
+        elif kind == "truncate":
+            del out[pos:]
+        elif kind == "insert":
+            out[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+        elif kind == "zero":
+            out[pos : pos + draw(st.integers(1, 64))] = bytes(min(64, len(out) - pos))
+        else:
+            size = 8 if kind == "u64" else 4
+            value = draw(
+                st.sampled_from([0, 1, 2**31 - 1, 2**32 - 1, 2**40, 2**63 - 1, len(out), len(out) + 1])
+                if draw(st.booleans())
+                else st.integers(0, 2 ** (8 * size) - 1)
+            )
+            packed = struct.pack("<Q" if size == 8 else "<I", value % 2 ** (8 * size))
+            out[pos : pos + size] = packed[: len(out) - pos]
+    return bytes(out)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=10,
+)
+DTYPE_NAMES = [
+    "F32",
+    "F16",
+    "BF16",
+    "F64",
+    "I64",
+    "U8",
+    "BOOL",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F4",
+    "F6_E2M3",
+    "C64",
+    "f32",
+    "F128",
+    "",
+    "I4",
+]
+
+
+@st.composite
+def header_mutations(draw, data: bytes) -> bytes:
+    """Rewrites of the JSON header: dtypes, shapes, offsets, extra keys, nesting, duplicates, lengths."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = json.loads(data[8 : 8 + n]), data[8 + n :]
+    names = [k for k in header if k != "__metadata__"]
+    for _ in range(draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(names))
+        field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "whole", "metadata", "extra"]))
+        if not isinstance(header[name], dict):
+            header[name] = {}
+        if field == "dtype":
+            header[name]["dtype"] = draw(st.sampled_from(DTYPE_NAMES) | st.text(max_size=6))
+        elif field == "shape":
+            header[name]["shape"] = draw(
+                st.lists(st.integers(-2, 2**62) | st.sampled_from([0, 1, 3, 2**40]), max_size=5) | json_values
+            )
+        elif field == "data_offsets":
+            header[name]["data_offsets"] = draw(st.lists(st.integers(-1, 2**64), max_size=3) | json_values)
+        elif field == "whole":
+            header[name] = draw(json_values)
+        elif field == "metadata":
+            header["__metadata__"] = draw(json_values)
+        else:
+            header[draw(st.text(max_size=5))] = draw(json_values)
+    raw = json.dumps(header).encode()
+    style = draw(st.sampled_from(["plain", "deep", "duplicate", "padded", "bad-length"]))
+    if style == "deep":
+        depth = draw(st.integers(1, 100_000))
+        raw = raw[:-1] + b', "deep": ' + b"[" * depth + b"]" * draw(st.integers(0, depth)) + b"}"
+    elif style == "duplicate" and names:
+        raw = (
+            raw[:-1] + b", " + json.dumps(names[0]).encode() + b': {"dtype": "F32", "shape": [0], '
+            b'"data_offsets": [0, 0]}}'
+        )
+    elif style == "padded":
+        raw += b" " * draw(st.integers(0, 9))
+    length = len(raw) if style != "bad-length" else draw(st.integers(0, len(raw) + 100))
+    if draw(st.booleans()):
+        body = body + draw(st.binary(max_size=64)) if draw(st.booleans()) else body[: draw(st.integers(0, len(body)))]
+    return struct.pack("<Q", length) + raw + body
+
+
+@st.composite
+def npy_header_mutations(draw, data: bytes) -> bytes:
+    """A .npy with its header dictionary rewritten (dtype, order, shape), and its data kept or cut."""
+    (n,) = struct.unpack("<H", data[8:10])
+    body = data[10 + n :]
+    descr = draw(
+        st.sampled_from(
+            ["<f4", ">f8", "|b1", "<i8", "|O", "<U3", "|V2", "<f1", "<c16", "<f16", "<M8", "[('a', '<f4')]", "'<f4'"]
+        )
+        | st.text(max_size=6).map(repr)
+    )
+    shape = draw(st.lists(st.integers(-1, 2**63), max_size=4).map(tuple) | st.text(max_size=6).map(repr))
+    fortran = draw(st.sampled_from(["False", "True", "0", "None", "'x'"]))
+    text = (
+        f"{{'descr': {descr if descr.startswith(('[', chr(39))) else repr(descr)}, "
+        f"'fortran_order': {fortran}, 'shape': {shape}, }}"
+    )
+    if draw(st.booleans()):
+        text = draw(st.text(max_size=40)) if draw(st.booleans()) else text.replace("'shape'", "'shapes'")
+    raw = text.encode("utf-8", "replace")[:65000]
+    if draw(st.booleans()):
+        body = body[: draw(st.integers(0, len(body)))]
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(raw)) + raw + body
+
+
+def check(tmp_path: Path, suffix: str, content: bytes) -> None:
+    path = tmp_path / f"fuzz{suffix}"
+    path.write_bytes(content)
+    read_everything(path)
+    assert path.read_bytes() == content  # the input is never touched
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(base_safetensors()))
+def test_fuzz_safetensors_bytes(tmp_path, data, base):
+    check(tmp_path, ".safetensors", data.draw(byte_mutations(base)))
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(base_safetensors()))
+def test_fuzz_safetensors_header(tmp_path, data, base):
+    check(tmp_path, ".safetensors", data.draw(header_mutations(base)))
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(BASE_NPZ))
+def test_fuzz_npz_bytes(tmp_path, data, base):
+    check(tmp_path, ".npz", data.draw(byte_mutations(base)))
+
+
+@FUZZ
+@given(
+    data=st.data(), base=st.sampled_from(BASE_NPY), method=st.sampled_from([zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+)
+def test_fuzz_npz_members(tmp_path, data, base, method):
+    member = data.draw(npy_header_mutations(base) | byte_mutations(base))
+    name = data.draw(st.sampled_from(["x.npy", "x", "dir/x.npy", "x.npy.npy"]))
+    check(tmp_path, ".npz", zip_of({name: member, "ok.npy": BASE_NPY[0]}, method))
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(BASE_NPY))
+def test_fuzz_npy(tmp_path, data, base):
+    check(tmp_path, ".npy", data.draw(npy_header_mutations(base) | byte_mutations(base)))
+
+
+def test_truncation_at_every_byte(tmp_path):
+    for suffix, data in [(".safetensors", base_safetensors()[0]), (".npz", BASE_NPZ[0]), (".npy", BASE_NPY[0])]:
+        outcomes = {read_everything(_write(tmp_path, suffix, data[:cut])) == "ok" for cut in range(len(data))}
+        assert outcomes == {False}, suffix  # no proper prefix of a checkpoint reads as a checkpoint
+
+
+def _write(tmp_path: Path, suffix: str, content: bytes) -> Path:
+    path = tmp_path / f"cut{suffix}"
+    path.write_bytes(content)
+    return path
+
+
+def test_a_terabyte_claim_in_a_kilobyte_is_refused_before_allocating(tmp_path):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2**38], "data_offsets": [0, 2**40]}}).encode()
+    path = tmp_path / "tb.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(1000))
+    assert "hold 1000 bytes of data" in read_everything(path) or "data ends" in read_everything(path)
+    npy = tmp_path / "tb.npy"
+    text = b"{'descr': '<f8', 'fortran_order': False, 'shape': (137438953472,), }"
+    npy.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text + bytes(1000))
+    assert "needs 1099511627776 bytes of data" in read_everything(npy)
+
+
+def test_a_deflate_bomb_streams_in_bounded_memory(tmp_path):
+    # 256 MiB of zeros deflate to about 256 KiB; reading them must not hold them.
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (67108864,), }"
+    header += b" " * (-(len(header) + 11) % 64) + b"\n"
+    path = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z, z.open("zeros.npy", "w", force_zip64=True) as m:
+        m.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header)
+        block = bytes(1 << 20)
+        for _ in range(256):
+            m.write(block)
+    assert path.stat().st_size < 2 << 20
+    tracemalloc.start()
+    try:
+        with open_checkpoint(path) as ckpt:
+            acc = NormAccumulator(2)
+            for chunk in ckpt.chunks(ckpt.tensors[0]):
+                acc.add(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert acc.result().norm == 0.0 and acc.result().size == 1 << 26
+    assert peak < 32 << 20, peak

@@ -26,6 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
 PY = shlex.quote(sys.executable)
+# Python as users run it: with its bytecode cache (some sandboxes turn it off for every process).
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 NAIVE_NORM = """
 import sys, numpy as np
@@ -56,7 +58,7 @@ save_file({k: t * scale for k, t in tensors.items()}, sys.argv[2])
 def measure(command: str) -> tuple[float, int]:
     """Wall time (s) and peak RSS (KiB) of one shell command; fails loudly if it fails."""
     start = time.perf_counter()
-    proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL, env=ENV)
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:

@@ -263,7 +263,10 @@ def _emit(
 
 
 def _jobs(jobs: int | None) -> int:
-    return jobs or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """--jobs, or the cores this process may run on."""
+    if jobs:
+        return jobs
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _selection(include: list[str] | None, exclude: list[str] | None) -> Any:

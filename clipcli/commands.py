@@ -130,7 +130,7 @@ def _groups(m: _Measured, depth: int, p: float, g: float) -> tuple[Group, ...]:
 
 _SORT_KEYS = {
     "name": lambda r: (r.name,),
-    "norm": lambda r: (not math.isnan(r.norm), r.norm),  # NaN norms first: they matter most
+    "norm": lambda r: (math.isnan(r.norm), 0.0 if math.isnan(r.norm) else r.norm),  # NaN first: it matters most
     "size": lambda r: (getattr(r, "nbytes", getattr(r, "tensors", 0)),),
 }
 

@@ -225,9 +225,11 @@ class NormAccumulator:
         _check_inexact(chunk, "a norm")
         self.size += chunk.size
         flat = chunk.reshape(-1)
-        for start in range(0, flat.size, _PIECE):
-            narrow, wide = _widen(flat[start : start + _PIECE])
-            self._add_flat(narrow, wide)
+        # A signalling NaN in the data raises "invalid" when converted; it is counted as NaN all the same.
+        with np.errstate(invalid="ignore"):
+            for start in range(0, flat.size, _PIECE):
+                narrow, wide = _widen(flat[start : start + _PIECE])
+                self._add_flat(narrow, wide)
 
     def _add_flat(self, narrow: np.ndarray | None, w: np.ndarray) -> None:
         if self._pending is not None:
@@ -439,12 +441,14 @@ def scaled(t: np.ndarray, scale: Any, out: np.ndarray | None = None) -> np.ndarr
             return t.copy()
         np.copyto(out, t)
         return out
-    if t.dtype in (np.float64, np.complex128):
-        return np.multiply(t, scale, out=out)
-    factor = scale.astype(np.float32)
-    if t.dtype in (np.float32, np.complex64):
-        return np.multiply(t, factor, out=out)
-    with np.errstate(invalid="ignore", over="ignore"):  # rounding NaN/overflow into a narrow type is wanted
+    # NaN scales and signalling NaNs in the data raise "invalid"; rounding into a narrow type may overflow
+    # to inf. Both are the intended results.
+    with np.errstate(invalid="ignore", over="ignore"):
+        if t.dtype in (np.float64, np.complex128):
+            return np.multiply(t, scale, out=out)
+        factor = scale.astype(np.float32)
+        if t.dtype in (np.float32, np.complex64):
+            return np.multiply(t, factor, out=out)
         product = t.astype(np.float32) * factor
         if out is None:
             return product.astype(t.dtype)
@@ -477,8 +481,9 @@ def clip_by_value(t: Any, clip_value_min: Any, clip_value_max: Any, out: np.ndar
     shape = np.broadcast_shapes(t.shape, lo.shape, hi.shape)
     if shape != t.shape:
         raise ValueError(f"clip bounds of shape {lo.shape} and {hi.shape} would broadcast {t.shape} to {shape}")
-    out = np.minimum(t, hi, out=out)
-    return np.maximum(out, lo, out=out)
+    with np.errstate(invalid="ignore"):  # signalling NaNs stay NaN
+        out = np.minimum(t, hi, out=out)
+        return np.maximum(out, lo, out=out)
 
 
 def _bound(value: Any, dtype: np.dtype) -> np.ndarray:
@@ -537,8 +542,8 @@ def normalize_axes(axes: Any, ndim: int) -> tuple[int, ...] | None:
 
 def _axis_norm(t: np.ndarray, p: float, axes: tuple[int, ...]) -> np.ndarray:
     """The p-norm over `axes` of a floating or complex tensor, with the axes kept, as float64."""
-    w = _magnitudes(t)
-    with np.errstate(invalid="ignore"):  # max of an empty slice is handled below
+    with np.errstate(invalid="ignore"):  # signalling NaNs in the data; they are NaN norms all the same
+        w = _magnitudes(t)
         m = np.abs(w).max(axis=axes, keepdims=True, initial=0.0)
     if math.isinf(p):
         return m

@@ -30,14 +30,19 @@ class ClipcliError(Exception):
         self.tensor = tensor
 
     def __str__(self) -> str:
-        where = [] if self.path is None else [self.path]
+        where = [] if self.path is None else [_printable(self.path)]
         if self.tensor is not None:
-            where.append(f"tensor {self.tensor}")
+            where.append(f"tensor {_printable(self.tensor)}")
         return ": ".join([*where, _one_line(self.message)])
 
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+def _printable(name: str) -> str:
+    """A name as is, or quoted with escapes when it holds a newline or another control character."""
+    return name if name.isprintable() else repr(name)
 
 
 class InputError(ClipcliError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -40,3 +41,20 @@ def raw_safetensors(header: dict, data: bytes = b"", length: int | None = None) 
     """A safetensors file from a header dict as given (no validation), for malformed-file tests."""
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def first_tensor_norm_and_peak(path: Path):
+    """The norm statistics of a checkpoint's first tensor, read in chunks, and the peak bytes allocated."""
+    from clipcli.checkpoint import open_checkpoint
+    from clipcli.core import NormAccumulator
+
+    tracemalloc.start()
+    try:
+        with open_checkpoint(path) as ckpt:
+            acc = NormAccumulator(2)
+            for chunk in ckpt.chunks(ckpt.tensors[0]):
+                acc.add(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return acc.result(), peak

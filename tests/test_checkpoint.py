@@ -6,7 +6,6 @@ import io
 import json
 import os
 import struct
-import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from safetensors import safe_open
 from clipcli.checkpoint import Checkpoint, open_checkpoint, save
 from clipcli.core import NormAccumulator
 from clipcli.errors import FileTypeError, MalformedError, MissingFileError, UnsupportedError, WriteError
-from tests.conftest import raw_safetensors, st_bytes, st_read
+from tests.conftest import first_tensor_norm_and_peak, raw_safetensors, st_bytes, st_read
 
 ST_DTYPES = [
     np.bool_,
@@ -302,22 +301,13 @@ def test_reading_a_large_file_keeps_memory_bounded(tmp_path):
     path = tmp_path / "big.safetensors"
     n = 64 * 1024 * 1024  # 256 MiB of float32
     header = raw_safetensors({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
-    header = header[:8] + header[8:]  # already 8-aligned or not: the reader does not care
     with open(path, "wb") as f:
         f.write(header)
         block = np.full(1 << 20, 0.5, np.float32).tobytes()
         for _ in range(64):
             f.write(block)
-    tracemalloc.start()
-    try:
-        with open_checkpoint(path) as ckpt:
-            acc = NormAccumulator(2)
-            for chunk in ckpt.chunks(ckpt.tensors[0]):
-                acc.add(chunk)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert acc.result().norm == 0.5 * np.sqrt(n)
+    stats, peak = first_tensor_norm_and_peak(path)
+    assert stats.norm == 0.5 * np.sqrt(n)
     assert peak < 32 * 1024 * 1024, peak
 
 
@@ -436,6 +426,15 @@ def encrypted(zipped: bytes) -> bytes:
     b[6] |= 1
     central = b.rfind(b"PK\x01\x02")
     b[central + 8] |= 1
+    return bytes(b)
+
+
+def lzma_dictionary(zipped: bytes, size: int) -> bytes:
+    """The archive with its LZMA member's dictionary size field rewritten."""
+    b = bytearray(zipped)
+    name_len, extra_len = struct.unpack("<HH", b[26:30])
+    at = 30 + name_len + extra_len + 5
+    b[at : at + 4] = struct.pack("<I", min(size, 2**32 - 1))
     return bytes(b)
 
 
@@ -587,6 +586,21 @@ MALFORMED = {
         MalformedError,
         "is encrypted, password required",
     ),  # found by the fuzzer: zipfile raises RuntimeError
+    "lzma-dictionary.npz": (
+        lzma_dictionary(zip_bytes({"x.npy": npy_bytes(np.ones(2))}, zipfile.ZIP_LZMA), 1 << 32),
+        UnsupportedError,
+        "LZMA dictionary of 4294967295 bytes exceeds",
+    ),  # found by fuzzing
+    "comma-dtype.npy": (
+        npy_with_header("{'descr': ',', 'fortran_order': False, 'shape': (), }"),
+        MalformedError,
+        "unknown dtype ','",
+    ),  # found by fuzzing: np.dtype(',') raises SyntaxError
+    "nul-name.npz": (
+        zip_bytes({"x.npy": npy_bytes(np.ones(2))}).replace(b"x.npy", b"\x00\x00\x00\x00\x00"),
+        MalformedError,
+        "not a valid zip archive",
+    ),  # found by fuzzing: zipfile raises IndexError
     "unknown.bin": (b"\x00" * 16, FileTypeError, "unknown checkpoint suffix"),
 }
 
@@ -709,3 +723,12 @@ def test_map_chunks_keeps_order_with_threads(multi_chunk):
         expected = [(t.name, c.tobytes()) for t in ckpt.tensors for c in ckpt.chunks(t, 1 << 16)]
         got = [(t.name, c.tobytes()) for t, c in ckpt.map_chunks(ckpt.tensors, lambda t, c: c.copy(), 3, 1 << 16)]
     assert got == expected
+
+
+def test_error_lines_escape_control_characters_in_names(tmp_path):
+    # found by fuzzing: a tensor named "\n" split the error over two lines
+    path = tmp_path / "n.safetensors"
+    path.write_bytes(raw_safetensors({"\n": {}}))
+    with pytest.raises(MalformedError) as e:
+        open_checkpoint(path)
+    assert str(e.value) == f"{path}: tensor '\\n': missing or non-string 'dtype'"

@@ -670,3 +670,23 @@ def test_jobs_do_not_change_reports_or_outputs(tmp_path):
         )
         files.add((out.read_bytes(), (tmp_path / f"n{jobs}.safetensors").read_bytes()))
     assert len(reports) == 1 and len(files) == 1
+
+
+def test_sort_by_norm_puts_nan_first(nonfinite):
+    (c,) = js("global-norm", nonfinite, "--sort", "norm")["checkpoints"]
+    assert [t["name"] for t in c["tensors"]] == ["w", "v", "ok"]  # NaN, then inf, then finite
+
+
+def test_jobs_option_is_honoured(grads, monkeypatch):
+    seen = []
+    real = commands.global_norm
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(commands, "global_norm", spy)
+    ok("global-norm", grads, "--jobs", "3", "--quiet")
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    ok("global-norm", grads, "--jobs", "5", "--quiet")
+    assert seen == [3, 5]

@@ -481,3 +481,14 @@ def test_scaled_into_out_equals_scaled(dtype):
     assert buf.tobytes() == expected.tobytes()
     same = t.copy()
     assert core.scaled(same, 1.0, out=same).tobytes() == t.tobytes()
+
+
+def test_signalling_nans_are_counted_without_warnings():
+    # found by fuzzing: widening a signalling NaN raises "invalid", which must not reach the user
+    x = np.arange(8, dtype=F32)
+    x.view(np.uint32)[3] = 0xFFA00000
+    acc = NormAccumulator(2)
+    acc.add(x)
+    assert acc.result().nan == 1
+    assert np.isnan(core.scaled(x, 0.5)[3]) and np.isnan(clip_by_value(x, 0, 1)[3])
+    assert math.isnan(norm(x.reshape(2, 4), axis=1)[0])

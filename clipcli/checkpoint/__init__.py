@@ -43,6 +43,7 @@ __all__ = [
 CHUNK_BYTES = 4 << 20
 R = TypeVar("R")
 _CHUNKS_PER_THREAD = 4
+MAX_LZMA_DICTIONARY = 64 << 20  # 7-Zip's "ultra" setting; Python's zipfile writes 8 MiB
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -441,6 +442,8 @@ def _read_npz(path: Path) -> list[TensorInfo]:
                 if name in seen:
                     raise MalformedError("two members hold this tensor", path, name)
                 seen.add(name)
+                if member.compress_type == zipfile.ZIP_LZMA:
+                    _check_lzma_dictionary(path, member)
                 try:
                     with z.open(member) as stream:
                         header = _numpy.read_npy_header(stream)
@@ -456,9 +459,11 @@ def _read_npz(path: Path) -> list[TensorInfo]:
                     )
                 tensors.append(_numpy_tensor(name, header, path, _NpzLocation(member.filename, header.data_offset)))
             return tensors
-    # zipfile's own words for a damaged archive, and RuntimeError for an encrypted member
+    # zipfile's own words for a damaged archive, RuntimeError for an encrypted member and IndexError for a
+    # member whose name is all NUL bytes
     except (
         *_ZIP_DATA_ERRORS,
+        IndexError,
         zipfile.LargeZipFile,
         NotImplementedError,
         ValueError,
@@ -468,6 +473,31 @@ def _read_npz(path: Path) -> list[TensorInfo]:
         OSError,
     ) as e:
         raise MalformedError(f"not a valid zip archive ({_one_line(e)})", path) from e
+
+
+def _check_lzma_dictionary(path: Path, member: zipfile.ZipInfo) -> None:
+    """Refuses an LZMA member whose decoder would allocate more than MAX_LZMA_DICTIONARY bytes.
+
+    The dictionary size sits in the member's LZMA properties; the decoder allocates it up front, so a
+    few crafted bytes could otherwise ask for 4 GiB.
+    """
+    with open(path, "rb") as f:
+        f.seek(member.header_offset)
+        local = f.read(30)
+        if len(local) < 30 or not local.startswith(b"PK\x03\x04"):
+            raise MalformedError("bad local header", path, _numpy.tensor_name(member.filename))
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        f.seek(member.header_offset + 30 + name_len + extra_len)
+        props = f.read(9)  # version (2), properties size (2), lc/lp/pb (1), dictionary size (4)
+    if len(props) < 9:
+        raise MalformedError("truncated LZMA properties", path, _numpy.tensor_name(member.filename))
+    (dictionary,) = struct.unpack("<I", props[5:9])
+    if dictionary > MAX_LZMA_DICTIONARY:
+        raise UnsupportedError(
+            f"LZMA dictionary of {dictionary} bytes exceeds the {MAX_LZMA_DICTIONARY} clipcli allows",
+            path,
+            _numpy.tensor_name(member.filename),
+        )
 
 
 def _open_index(path: Path) -> Checkpoint:

@@ -78,7 +78,7 @@ def _descr_dtype(descr: Any) -> np.dtype:
         raise UnsupportedError(f"structured dtype {descr!r} is not a tensor")
     try:
         dtype = np.dtype(descr)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # NumPy parses type strings with its own grammar: "," raises SyntaxError
         raise MalformedError(f"unknown dtype {descr!r}") from e
     if dtype.kind == "O" or dtype.hasobject:
         raise UnsupportedError("object arrays are not supported (they would need unpickling)")

@@ -220,10 +220,14 @@ def _console(stderr: bool = False) -> Any:
     )
 
 
+def _is_terminal(stream: Any) -> bool:
+    return stream.isatty()
+
+
 @contextlib.contextmanager
 def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr for long work, only when stderr is a terminal."""
-    if quiet or total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+    if quiet or total < PROGRESS_MIN_BYTES or not _is_terminal(sys.stderr):
         yield lambda n: None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn

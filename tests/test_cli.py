@@ -690,3 +690,45 @@ def test_jobs_option_is_honoured(grads, monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     ok("global-norm", grads, "--jobs", "5", "--quiet")
     assert seen == [3, 5]
+
+
+def test_progress_bar_only_on_a_terminal(grads, monkeypatch):
+    from clipcli import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)
+    plain = run("global-norm", grads, "--format", "json")
+    assert plain.stderr == ""  # not a terminal: no bar
+    advanced = []
+    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    from rich.progress import Progress
+
+    real_advance = Progress.advance
+    monkeypatch.setattr(Progress, "advance", lambda self, task, n: advanced.append(n) or real_advance(self, task, n))
+    result = run("global-norm", grads, "--format", "json")
+    assert sum(advanced) == sum(a.nbytes for n, a in reference(grads).items() if n != "step")
+    assert json.loads(result.stdout) == json.loads(plain.stdout)  # the bar never touches stdout
+
+
+def test_a_closed_pipe_is_not_an_error(tmp_path):
+    src = write_st(tmp_path / "many.safetensors", {f"t{i}": np.ones(3, np.float32) for i in range(3000)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clipcli", "global-norm", str(src), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert proc.stdout.readline() == b"{\n"
+    proc.stdout.close()  # like `clipcli ... | head -1`
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 0, stderr
+    assert stderr == ""
+
+
+def test_in_place_on_a_sharded_checkpoint(sharded):
+    before = {p.name: p.read_bytes() for p in sharded.iterdir()}
+    (c,) = js("clip-global-norm", sharded, "--in-place", "--clip-norm", "5")["checkpoints"]
+    assert sorted(p.name for p in sharded.iterdir()) == sorted(before)
+    after = json.loads(ok("global-norm", sharded, "--format", "json").stdout)["checkpoints"][0]
+    assert after["global_norm"] == c["global_norm_after"]
+    assert (sharded / "model-00001-of-00002.safetensors").read_bytes() != before["model-00001-of-00002.safetensors"]

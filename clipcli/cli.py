@@ -368,38 +368,30 @@ def global_norm(
                 )
 
 
-def _clip(
-    command: str,
-    checkpoint: Path,
-    output: Path | None,
-    in_place: bool,
-    dry_run: bool,
-    allow_nonfinite: bool,
-    include: list[str] | None,
-    exclude: list[str] | None,
-    fmt: Format,
-    quiet: bool,
-    report_file: Path | None,
-    jobs: int | None,
-    run: Callable[..., CheckpointReport],
-) -> None:
+def _clip(ctx: typer.Context, run: Callable[..., CheckpointReport]) -> None:
+    """The part the clip commands share, from their parsed options (`ctx.params`, by parameter name)."""
     from clipcli import commands
     from clipcli.checkpoint import open_checkpoint
 
+    o = ctx.params  # Click's values: paths may be strings, enums their values
+    output = None if o["output"] is None else Path(o["output"])
+    in_place, dry_run = o["in_place"], o["dry_run"]
     if in_place and output is not None:
         _usage("give either -o/--output or --in-place, not both", "--in-place")
     if output is None and not (in_place or dry_run):
         _usage("missing; give -o OUT, --in-place or --dry-run", "-o/--output")
-    with open_checkpoint(checkpoint) as ckpt:
+    with open_checkpoint(Path(o["checkpoint"])) as ckpt:
         target = None if dry_run else (ckpt.path if in_place else output)
-        job = commands.ClipJob(target, in_place, allow_nonfinite, _jobs(jobs))
-        with _progress(2 * sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
-            report = run(ckpt, _selection(include, exclude), job, progress=progress)
-    _emit(command, 2.0, [report], fmt, quiet, report_file)
+        job = commands.ClipJob(target, in_place, o.get("allow_nonfinite", False), _jobs(o["jobs"]))
+        with _progress(2 * sum(t.nbytes for t in ckpt.tensors), o["quiet"]) as progress:
+            result = run(ckpt, _selection(o["include"], o["exclude"]), job, progress=progress)
+    report = None if o["report_file"] is None else Path(o["report_file"])
+    _emit(ctx.info_name or "", 2.0, [result], Format(o["fmt"]), o["quiet"], report)
 
 
 @app.command("clip-value")
 def clip_value(
+    ctx: typer.Context,
     checkpoint: OneCheckpoint,
     min_: Annotated[
         str,
@@ -438,25 +430,12 @@ def clip_value(
     with _errors(debug):
         from clipcli import commands
 
-        _clip(
-            "clip-value",
-            checkpoint,
-            output,
-            in_place,
-            dry_run,
-            False,
-            include,
-            exclude,
-            fmt,
-            quiet,
-            report_file,
-            jobs,
-            lambda *a, **k: commands.clip_value(*a, lo, hi, **k),
-        )
+        _clip(ctx, lambda *a, **k: commands.clip_value(*a, lo, hi, **k))
 
 
 @app.command("clip-norm")
 def clip_norm(
+    ctx: typer.Context,
     checkpoint: OneCheckpoint,
     clip_norm: Annotated[
         str,
@@ -497,25 +476,12 @@ def clip_norm(
     with _errors(debug):
         from clipcli import commands
 
-        _clip(
-            "clip-norm",
-            checkpoint,
-            output,
-            in_place,
-            dry_run,
-            allow_nonfinite,
-            include,
-            exclude,
-            fmt,
-            quiet,
-            report_file,
-            jobs,
-            lambda *a, **k: commands.clip_norm(*a, c, ax, **k),
-        )
+        _clip(ctx, lambda *a, **k: commands.clip_norm(*a, c, ax, **k))
 
 
 @app.command("clip-global-norm")
 def clip_global_norm(
+    ctx: typer.Context,
     checkpoint: OneCheckpoint,
     clip_norm: Annotated[
         str,
@@ -553,21 +519,7 @@ def clip_global_norm(
     with _errors(debug):
         from clipcli import commands
 
-        _clip(
-            "clip-global-norm",
-            checkpoint,
-            output,
-            in_place,
-            dry_run,
-            allow_nonfinite,
-            include,
-            exclude,
-            fmt,
-            quiet,
-            report_file,
-            jobs,
-            lambda *a, **k: commands.clip_global_norm(*a, c, g, **k),
-        )
+        _clip(ctx, lambda *a, **k: commands.clip_global_norm(*a, c, g, **k))
 
 
 def main(argv: list[str] | None = None) -> None:

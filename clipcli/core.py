@@ -30,7 +30,7 @@ __all__ = [
 # Elements per partial sum. Partial sums are taken over fixed blocks counted from the start of
 # each tensor and then added exactly, so a norm does not depend on how a tensor is chunked.
 BLOCK = 1 << 13
-# Values are widened to float64 this many at a time, so temporaries stay small and in cache.
+# Values are widened to float64 this many at a time, so temporaries stay small and in the core's cache.
 _PIECE = 64 * BLOCK
 
 # Floating dtypes that NumPy does not know; every one of them widens exactly to float32.
@@ -54,6 +54,10 @@ _ML_FLOATS = frozenset(
 )
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+# 16-bit floats widen to float32 by moving their bits: |x| = bits & 0x7FFF shifted left by `shift` is the
+# float32 |x| * 2**-k, exactly (float16 subnormals included); magnitudes from `nonfinite` up are inf/NaN.
+_SHIFTS = {_BFLOAT16: (16, 0, 0x7F80), np.dtype(np.float16): (13, 112, 0x7C00)}
 
 # Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
 _SCALE_LIMIT = 600
@@ -134,18 +138,18 @@ class _ExactSum:
             self.low = e
         self.acc += m << (e - self.low)
 
-    def add_many(self, sums: np.ndarray) -> None:
-        """Adds non-negative float64 terms exactly: as 53-bit integers shifted to a common exponent."""
+    def add_many(self, sums: np.ndarray, k: int = 0) -> None:
+        """Adds non-negative float64 terms times 2**k exactly: as 53-bit integers shifted to a common exponent."""
         mantissas, exponents = np.frexp(sums)
         exponents[mantissas == 0] = exponents.max()  # zeros add nothing: keep them out of the range
         low = int(exponents.min())
         shifts = exponents - low
         if shifts.max() > 10:  # too far apart for int64: one at a time
             for s in sums.tolist():
-                self.add(s, 0)
+                self.add(s, k)
             return
         ints = (mantissas * 9007199254740992.0).astype(np.int64) << shifts  # < 2**63: exact
-        self.add_int(sum(ints.tolist()), low - 53)
+        self.add_int(sum(ints.tolist()), low - 53 + k)
 
     def merge(self, other: _ExactSum) -> None:
         if other.acc:
@@ -227,27 +231,30 @@ class NormAccumulator:
         flat = chunk.reshape(-1)
         # A signalling NaN in the data raises "invalid" when converted; it is counted as NaN all the same.
         with np.errstate(invalid="ignore"):
-            for start in range(0, flat.size, _PIECE):
-                narrow, wide = _widen(flat[start : start + _PIECE])
-                self._add_flat(narrow, wide)
+            if self._pending is not None:
+                need = BLOCK - self._pending.size
+                self._pending = np.concatenate([self._pending, _widen(flat[:need])[1]])
+                flat = flat[need:]
+                if self._pending.size < BLOCK:
+                    return
+                self._flush()
+            full = flat.size - flat.size % BLOCK
+            if full:
+                self._add_whole_blocks(flat[:full])
+            if full < flat.size:
+                self._pending = _widen(flat[full:])[1].copy()
 
-    def _add_flat(self, narrow: np.ndarray | None, w: np.ndarray) -> None:
-        if self._pending is not None:
-            need = BLOCK - self._pending.size
-            head = np.concatenate([self._pending, w[:need]])
-            w = w[need:]
-            narrow = None if narrow is None else narrow[need:]
-            if head.size < BLOCK:
-                self._pending = head
+    def _add_whole_blocks(self, x: np.ndarray) -> None:
+        if self.p == 2.0:
+            squares = _square_sums(x)
+            if squares is not None:
+                sums, e, peak = squares
+                self.max_abs = max(self.max_abs, peak)
+                self._sum.add_many(sums, e)
                 return
-            self._pending = None
-            self._add_blocks(None, head.reshape(1, BLOCK))
-        full = w.size - w.size % BLOCK
-        if full:
-            rows = None if narrow is None else narrow[:full].reshape(-1, BLOCK)
-            self._add_blocks(rows, w[:full].reshape(-1, BLOCK))
-        if full < w.size:
-            self._pending = w[full:].copy()
+        for start in range(0, x.size, _PIECE):
+            narrow, wide = _widen(x[start : start + _PIECE])
+            self._add_blocks(None if narrow is None else narrow.reshape(-1, BLOCK), wide.reshape(-1, BLOCK))
 
     def merge(self, other: NormAccumulator) -> None:
         """Adds the values `other` has seen, as a separate tensor."""
@@ -280,14 +287,6 @@ class NormAccumulator:
 
     def _add_blocks(self, narrow: np.ndarray | None, w: np.ndarray) -> None:
         """Adds blocks (rows of `w`, float64; `narrow` holds the same values as float32, if they fit one)."""
-        if narrow is not None and self.p == 2.0:
-            # Squares of float32 values never leave float64's range, so no block needs rescaling: the
-            # block sums are those of the general path below, without its per-block bookkeeping.
-            sums = _row_squares(w)
-            if math.isfinite(sums.sum()):
-                self.max_abs = max(self.max_abs, float(max(narrow.max(), -narrow.min())))
-                self._sum.add_many(sums)
-                return
         source = w if narrow is None else narrow
         m = np.maximum(source.max(axis=1), -source.min(axis=1)).astype(np.float64)
         finite = np.isfinite(m)
@@ -326,8 +325,8 @@ def _scratch(n: int, dtype: type) -> np.ndarray:
 def _widen(x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     """The values as float64, exactly (complex values become moduli), and again when they all fit float32.
 
-    The first array is None for float64 and complex values; otherwise it holds the same values as the
-    float64 one (it may be that very array), in the cheapest form to scan for the largest magnitude.
+    The first array, when not None, holds the same values as float32: a cheaper form to scan for the
+    largest magnitude (None for float64, complex and finite float16 values).
     Both may be scratch buffers, valid until the next call in this thread.
     """
     if x.dtype.kind == "c":
@@ -336,19 +335,68 @@ def _widen(x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         return None, x
     narrow = x
     if x.dtype == np.float16:
-        wide = _scratch(x.size, np.float64)
-        np.copyto(wide, x)  # float16 to float64 directly is faster than through float32
-        return wide, wide
+        magnitudes = x.view(np.uint16) & 0x7FFF
+        if magnitudes.max() < 0x7C00:  # finite: NumPy's float16 casts are slow, on subnormals very slow
+            bits = _scratch(x.size, np.uint32)
+            np.left_shift(x.view(np.uint16), 16, out=bits, dtype=np.uint32)
+            signed = bits.view(np.int32)
+            np.right_shift(signed, 3, out=signed)  # exponent and mantissa in place; the sign copied down
+            np.bitwise_and(bits, 0x8FFFE000, out=bits)  # and cleared where it was copied
+            wide = _scratch(x.size, np.float64)
+            np.copyto(wide, bits.view(np.float32))
+            wide *= 2.0**112  # float32's exponent bias over float16's: exact
+            return None, wide
     if x.dtype == _BFLOAT16:
         # bfloat16 is the top half of a float32: a shift widens it exactly, far faster than a cast.
         bits = _scratch(x.size, np.uint32)
         np.left_shift(x.view(np.uint16), 16, out=bits, dtype=np.uint32)
         narrow = bits.view(np.float32)
-    elif x.dtype in _ML_FLOATS:
+    elif x.dtype in _ML_FLOATS or x.dtype == np.float16:
         narrow = x.astype(np.float32)
     wide = _scratch(x.size, np.float64)
     np.copyto(wide, narrow)
     return narrow, wide
+
+
+def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
+    """The sum of squares of each block of float32, bfloat16 or float16 values, and their largest magnitude.
+
+    Returns (sums, e, peak): the blocks' sums of squares are `sums * 2**e` (float64 sums of exact squares,
+    each rounded as einsum adds); None when the values are of another dtype or some are not finite.
+    `x.size` is a multiple of BLOCK.
+    """
+    sums = np.empty(x.size // BLOCK)
+    wide = _scratch(min(x.size, _PIECE), np.float64)
+    if x.dtype == np.float32:
+        peak = float(max(x.max(), -x.min()))  # NaN when a value is NaN
+        if not math.isfinite(peak):
+            return None
+        for start in range(0, x.size, _PIECE):
+            piece = x[start : start + _PIECE]
+            w = wide[: piece.size].reshape(-1, BLOCK)
+            np.copyto(w, piece.reshape(-1, BLOCK))
+            np.einsum("ij,ij->i", w, w, out=sums[start // BLOCK : (start + piece.size) // BLOCK])
+        return sums, 0, peak
+    if x.dtype not in _SHIFTS:
+        return None
+    # Magnitude bits, moved into float32 position: no float16 arithmetic (NumPy's is slow on subnormals).
+    shift, k, nonfinite = _SHIFTS[x.dtype]
+    top = 0
+    magnitudes = _scratch(min(x.size, _PIECE), np.uint16)
+    bits = _scratch(min(x.size, _PIECE), np.uint32)
+    for start in range(0, x.size, _PIECE):
+        piece = x[start : start + _PIECE].view(np.uint16)
+        m = magnitudes[: piece.size]
+        np.bitwise_and(piece, 0x7FFF, out=m)
+        top = max(top, int(m.max()))
+        b = bits[: piece.size]
+        np.left_shift(m, shift, out=b, dtype=np.uint32)
+        w = wide[: piece.size].reshape(-1, BLOCK)
+        np.copyto(w, b.view(np.float32).reshape(-1, BLOCK))
+        np.einsum("ij,ij->i", w, w, out=sums[start // BLOCK : (start + piece.size) // BLOCK])
+    if top >= nonfinite:
+        return None
+    return sums, 2 * k, float(np.array(top, np.uint16).view(x.dtype))
 
 
 def _row_squares(w: np.ndarray) -> np.ndarray:

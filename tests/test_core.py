@@ -492,3 +492,38 @@ def test_signalling_nans_are_counted_without_warnings():
     assert acc.result().nan == 1
     assert np.isnan(core.scaled(x, 0.5)[3]) and np.isnan(clip_by_value(x, 0, 1)[3])
     assert math.isnan(norm(x.reshape(2, 4), axis=1)[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_every_16_bit_value_widens_exactly(dtype):
+    # 16-bit floats are widened by moving bits, not by NumPy's casts: check every bit pattern
+    x = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    with np.errstate(invalid="ignore"):  # signalling NaNs
+        reference = x.astype(np.float64)
+        wide = core._widen(x)[1]
+    np.testing.assert_array_equal(wide, reference)
+    values = x[np.isfinite(reference)]
+    np.testing.assert_array_equal(core._widen(values)[1], values.astype(np.float64))
+    # the block sums of squares (p = 2) and the general path (p = 3) against exact rational sums
+    exact = [Fraction(float(v)) for v in values.astype(np.float64)]
+    squares = NormAccumulator(2)
+    squares.add(values)
+    s = squares.result()
+    assert s.max_abs == max(abs(v) for v in exact)
+    assert s.norm == pytest.approx(exact_norm(values.astype(np.float64)), rel=1e-14)
+    cubes = NormAccumulator(3)
+    cubes.add(values)
+    assert cubes.result().norm == pytest.approx(float(sum(abs(v) ** 3 for v in exact)) ** (1 / 3), rel=1e-14)
+    # with the non-finite patterns: counted, whatever path the values take
+    everything = NormAccumulator(2)
+    everything.add(x)
+    assert (everything.result().nan, everything.result().inf) == (int(np.isnan(reference).sum()), 2)
+    assert everything.result().max_abs == math.inf
+
+
+def test_float16_subnormals_keep_the_fast_path_exact():
+    # gradients stored as float16 are mostly tiny: subnormals below 2**-14 must widen exactly
+    t = (np.random.default_rng(3).standard_normal(3 * core.BLOCK + 11) * 1e-5).astype(np.float16)
+    assert (np.abs(t.astype(np.float64)) < 2.0**-14).mean() > 0.5
+    assert norm(t) == pytest.approx(exact_norm(t.astype(np.float64)), rel=1e-14)
+    assert norm(t, ord=np.inf) == float(np.abs(t.astype(np.float64)).max())

@@ -368,8 +368,11 @@ def global_norm(
                 )
 
 
-def _clip(ctx: typer.Context, run: Callable[..., CheckpointReport]) -> None:
-    """The part the clip commands share, from their parsed options (`ctx.params`, by parameter name)."""
+def _clip(ctx: typer.Context, run: Callable[..., CheckpointReport], passes: int = 2) -> None:
+    """The part the clip commands share, from their parsed options (`ctx.params`, by parameter name).
+
+    `passes`: how many times the command reads the checkpoint, for the progress bar.
+    """
     from clipcli import commands
     from clipcli.checkpoint import open_checkpoint
 
@@ -383,7 +386,7 @@ def _clip(ctx: typer.Context, run: Callable[..., CheckpointReport]) -> None:
     with open_checkpoint(Path(o["checkpoint"])) as ckpt:
         target = None if dry_run else (ckpt.path if in_place else output)
         job = commands.ClipJob(target, in_place, o.get("allow_nonfinite", False), _jobs(o["jobs"]))
-        with _progress(2 * sum(t.nbytes for t in ckpt.tensors), o["quiet"]) as progress:
+        with _progress(passes * sum(t.nbytes for t in ckpt.tensors), o["quiet"]) as progress:
             result = run(ckpt, _selection(o["include"], o["exclude"]), job, progress=progress)
     report = None if o["report_file"] is None else Path(o["report_file"])
     _emit(ctx.info_name or "", 2.0, [result], Format(o["fmt"]), o["quiet"], report)
@@ -430,7 +433,7 @@ def clip_value(
     with _errors(debug):
         from clipcli import commands
 
-        _clip(ctx, lambda *a, **k: commands.clip_value(*a, lo, hi, **k))
+        _clip(ctx, lambda *a, **k: commands.clip_value(*a, lo, hi, **k), passes=1)
 
 
 @app.command("clip-norm")

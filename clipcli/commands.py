@@ -61,9 +61,7 @@ class _Measured:
     per_tensor: dict[str, core.NormAccumulator]
 
 
-def _measure(
-    ckpt: Checkpoint, selection: Selection, p: float, progress: Progress, jobs: int, real_only: bool = False
-) -> _Measured:
+def _select(ckpt: Checkpoint, selection: Selection, real_only: bool = False) -> tuple[list[TensorInfo], list[Skipped]]:
     selected, skipped = [], []
     for t in ckpt.tensors:
         reason = selection.reason_to_skip(t, real_only)
@@ -71,6 +69,13 @@ def _measure(
             skipped.append(Skipped(t.name, t.dtype, reason))
         else:
             selected.append(t)
+    return selected, skipped
+
+
+def _measure(
+    ckpt: Checkpoint, selection: Selection, p: float, progress: Progress, jobs: int, real_only: bool = False
+) -> _Measured:
+    selected, skipped = _select(ckpt, selection, real_only)
     # One accumulator per worker and tensor: every chunk but a tensor's last holds whole blocks, so a
     # worker's chunks of a tensor add up like the whole tensor would, and merging is exact.
     partial: list[dict[str, core.NormAccumulator]] = [{} for _ in range(max(jobs, 1))]
@@ -87,6 +92,13 @@ def _measure(
     for accs in partial:
         for name, acc in accs.items():
             per_tensor[name].merge(acc)
+    return _measured(selected, skipped, per_tensor, p)
+
+
+def _measured(
+    selected: list[TensorInfo], skipped: list[Skipped], per_tensor: dict[str, core.NormAccumulator], p: float
+) -> _Measured:
+    """The report's rows from each selected tensor's accumulated norm."""
     total = core.NormAccumulator(p)
     rows = []
     for t in selected:
@@ -220,27 +232,34 @@ class _InOrder:
             self._head = next(self._results, None)
 
 
-def _write(ckpt: Checkpoint, job: ClipJob, ops: dict[str, _Op], progress: Progress) -> dict[str, core.NormAccumulator]:
+def _write(
+    ckpt: Checkpoint, job: ClipJob, ops: dict[str, _Op], progress: Progress, measure_first: bool = False
+) -> tuple[dict[str, core.NormAccumulator], dict[str, core.NormAccumulator]]:
     """Streams every tensor into the output (or nowhere, on a dry run), through its op if it has one.
 
-    Returns the norms of what was written, for the tensors that changed.
+    Returns the norms of what was read (only with `measure_first`: one pass instead of two) and of what
+    was written, for the tensors that have an op.
     """
 
-    def work(t: TensorInfo, chunk: np.ndarray) -> tuple[np.ndarray, core.NormAccumulator | None]:
+    def work(t: TensorInfo, chunk: np.ndarray) -> tuple[np.ndarray, tuple[core.NormAccumulator, ...]]:
         op = ops.get(t.name)
         if op is None:
-            return chunk, None
+            return chunk, ()
+        read = (_norm_of(chunk, 2.0),) if measure_first else ()
         out = op.apply(chunk)
-        return out, _norm_of(out, 2.0)
+        return out, (*read, _norm_of(out, 2.0))
 
+    before = {name: core.NormAccumulator(2) for name in ops} if measure_first else {}
     after = {name: core.NormAccumulator(2) for name in ops}
     results = ckpt.map_chunks(ckpt.tensors, work, job.jobs, align={n: op.align for n, op in ops.items()})
     stream = _InOrder(results)
 
     def chunks(t: TensorInfo) -> Iterator[np.ndarray]:
-        for out, acc in stream.take(t):
-            if acc is not None:
-                after[t.name].merge(acc)
+        for out, norms in stream.take(t):
+            if norms:
+                if measure_first:
+                    before[t.name].merge(norms[0])
+                after[t.name].merge(norms[-1])
             progress(out.nbytes)
             yield out
 
@@ -253,7 +272,7 @@ def _write(ckpt: Checkpoint, job: ClipJob, ops: dict[str, _Op], progress: Progre
             save(ckpt, job.output, chunks, in_place=job.in_place)
     finally:
         results.close()  # type: ignore[attr-defined]
-    return after
+    return before, after
 
 
 def _finish(
@@ -292,7 +311,7 @@ def clip_global_norm(
     scale = core.clip_scale(g, clip_norm)
     # Chunks are the workers' own buffers: scaling them in place allocates nothing.
     ops = {} if scale == 1.0 else {r.name: _Op(lambda c: core.scaled(c, scale, out=c)) for r in m.rows}
-    after = _write(ckpt, job, ops, progress)
+    _, after = _write(ckpt, job, ops, progress)
     return _finish(ckpt, job, m, after, clip={"clip_norm": clip_norm}, scale=scale)
 
 
@@ -321,7 +340,7 @@ def clip_norm(
         op = _clip_norm_op(infos[r.name], r.norm, clip_norm, axes)
         if op is not None:
             ops[r.name] = op
-    after = _write(ckpt, job, ops, progress)
+    _, after = _write(ckpt, job, ops, progress)
     return _finish(ckpt, job, m, after, clip={"clip_norm": clip_norm})
 
 
@@ -366,11 +385,14 @@ def _clip_norm_op(t: TensorInfo, norm: float, clip: float, axes: tuple[int, ...]
 def clip_value(
     ckpt: Checkpoint, selection: Selection, job: ClipJob, lo: float, hi: float, progress: Progress = _no_progress
 ) -> CheckpointReport:
-    """`tf.clip_by_value` on every selected real floating tensor; NaN stays NaN, +-inf is clipped."""
-    m = _measure(ckpt, selection, 2.0, progress, job.jobs, real_only=True)
-    ops = {r.name: _Op(lambda c: core.clip_by_value(c, lo, hi, out=c)) for r in m.rows}
-    after = _write(ckpt, job, ops, progress)
-    return _finish(ckpt, job, m, after, clip={"min": lo, "max": hi})
+    """`tf.clip_by_value` on every selected real floating tensor; NaN stays NaN, +-inf is clipped.
+
+    One pass: the norms before clipping are taken from the chunks as they are read.
+    """
+    selected, skipped = _select(ckpt, selection, real_only=True)
+    ops = {t.name: _Op(lambda c: core.clip_by_value(c, lo, hi, out=c)) for t in selected}
+    before, after = _write(ckpt, job, ops, progress, measure_first=True)
+    return _finish(ckpt, job, _measured(selected, skipped, before, 2.0), after, clip={"min": lo, "max": hi})
 
 
 def make_report(command: str, p: float, checkpoints: Sequence[CheckpointReport]) -> Report:

@@ -668,8 +668,28 @@ def test_jobs_do_not_change_reports_or_outputs(tmp_path):
             jobs,
             "--quiet",
         )
-        files.add((out.read_bytes(), (tmp_path / f"n{jobs}.safetensors").read_bytes()))
-    assert len(reports) == 1 and len(files) == 1
+        value = tmp_path / f"v{jobs}.safetensors"
+        clipped = ok("clip-value", src, "-o", value, "--min", "-1", "--max", "1", "--jobs", jobs, "--format", "json")
+        reports.add(clipped.stdout.replace(str(value), "OUT"))
+        files.add((out.read_bytes(), (tmp_path / f"n{jobs}.safetensors").read_bytes(), value.read_bytes()))
+    assert len(reports) == 2 and len(files) == 1
+    # clip-value takes its norms before clipping from the one pass that clips: the same as global-norm's
+    by_command = {json.loads(r)["command"]: json.loads(r)["checkpoints"][0]["tensors"] for r in reports}
+    measured, clipped = by_command["global-norm"], by_command["clip-value"]
+    assert [(t["name"], t["norm"], t["max_abs"]) for t in measured] == [
+        (t["name"], t["norm"], t["max_abs"]) for t in clipped
+    ]
+
+
+def test_clip_value_reads_the_checkpoint_once(grads, tmp_path, monkeypatch):
+    from clipcli.checkpoint import Checkpoint
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("clip-value scanned the checkpoint before clipping it")
+
+    monkeypatch.setattr(Checkpoint, "scan", no_second_pass)
+    (c,) = js("clip-value", grads, "-o", tmp_path / "o.safetensors", "--min", "-0.01", "--max", "0.01")["checkpoints"]
+    assert all(t["norm_after"] <= t["norm"] for t in c["tensors"])
 
 
 def test_sort_by_norm_puts_nan_first(nonfinite):

@@ -1,8 +1,9 @@
 """Writes a transformer-shaped checkpoint for benchmarks: `python benchmarks/make_checkpoint.py OUT --gib 2`.
 
 Tensors get shapes like a decoder's (embeddings, attention and MLP projections, norms) until the size is
-reached, about 200 tensors for 2 GiB; values are Gaussian, scaled per tensor. Formats: .safetensors
-(written by hand from the format's definition), .npz (stored or --compressed).
+reached, about 200 tensors for 2 GiB; values are Gaussian, scaled per tensor (by 0.01 to 2, times --scale:
+1e-4 makes float16 gradients, most of them subnormal). Formats: .safetensors (written by hand from the
+format's definition), .npz (stored or --compressed).
 """
 
 from __future__ import annotations
@@ -41,18 +42,18 @@ def shapes(total_bytes: int, itemsize: int, tensors: int = 200) -> list[tuple[st
     return out
 
 
-def tensors(gib: float, dtype: str, seed: int):
+def tensors(gib: float, dtype: str, seed: int, scale: float = 1.0):
     rng = np.random.default_rng(seed)
     np_dtype = DTYPES[dtype]
     for name, shape in shapes(int(gib * 2**30), np.dtype(np_dtype).itemsize):
-        scale = float(rng.uniform(0.01, 2.0))
+        spread = float(rng.uniform(0.01, 2.0)) * scale
         n = int(np.prod(shape))
         # One random block reused along the tensor keeps generation fast without changing the work.
-        block = (rng.standard_normal(min(n, 1 << 20), dtype=np.float32) * scale).astype(np_dtype)
+        block = (rng.standard_normal(min(n, 1 << 20), dtype=np.float32) * spread).astype(np_dtype)
         yield name, shape, np.resize(block, n).reshape(shape)
 
 
-def write_safetensors(path: Path, gib: float, dtype: str, seed: int) -> None:
+def write_safetensors(path: Path, gib: float, dtype: str, seed: int, scale: float) -> None:
     np_dtype = DTYPES[dtype]
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     items = shapes(int(gib * 2**30), np.dtype(np_dtype).itemsize)
@@ -64,14 +65,14 @@ def write_safetensors(path: Path, gib: float, dtype: str, seed: int) -> None:
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for _, _, value in tensors(gib, dtype, seed):
+        for _, _, value in tensors(gib, dtype, seed, scale):
             f.write(value.tobytes())
 
 
-def write_npz(path: Path, gib: float, dtype: str, seed: int, compressed: bool) -> None:
+def write_npz(path: Path, gib: float, dtype: str, seed: int, scale: float, compressed: bool) -> None:
     method = zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED
     with zipfile.ZipFile(path, "w", method, allowZip64=True) as z:
-        for name, _, value in tensors(gib, dtype, seed):
+        for name, _, value in tensors(gib, dtype, seed, scale):
             info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
             info.compress_type = method
             with z.open(info, "w", force_zip64=True) as member:
@@ -84,12 +85,13 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every tensor's spread")
     parser.add_argument("--compressed", action="store_true", help="deflate the .npz members")
     args = parser.parse_args()
     if args.out.suffix == ".npz":
-        write_npz(args.out, args.gib, args.dtype, args.seed, args.compressed)
+        write_npz(args.out, args.gib, args.dtype, args.seed, args.scale, args.compressed)
     else:
-        write_safetensors(args.out, args.gib, args.dtype, args.seed)
+        write_safetensors(args.out, args.gib, args.dtype, args.seed, args.scale)
 
 
 if __name__ == "__main__":

@@ -104,11 +104,12 @@ def rss(label: str, command: str) -> float:
     return peak / 1024
 
 
-def ensure(name: str, gib: float, dtype: str, compressed: bool = False) -> Path:
+def ensure(name: str, gib: float, dtype: str, compressed: bool = False, scale: float = 1.0) -> Path:
     path = DATA / name
     if not path.exists():
         DATA.mkdir(exist_ok=True)
         args = [sys.executable, str(HERE / "make_checkpoint.py"), str(path), "--gib", str(gib), "--dtype", dtype]
+        args += ["--scale", str(scale)]
         subprocess.run([*args, *(["--compressed"] if compressed else [])], check=True)
     return path
 
@@ -124,6 +125,8 @@ def main() -> None:
     f32 = ensure(f"f32-{tag}.safetensors", gib, "float32")
     bf16 = ensure(f"bf16-{tag}.safetensors", gib / 2, "bfloat16")
     f16 = ensure(f"f16-{tag}.safetensors", gib / 2, "float16")
+    # float16 gradients: |x| ~ 1e-4, mostly subnormal, where NumPy's float16 casts are at their slowest
+    grads16 = ensure(f"f16grads-{tag}.safetensors", gib / 2, "float16", scale=1e-4)
     out = DATA / "out.safetensors"
     q = shlex.quote
     clip = "clipcli clip-global-norm {} -o {} --clip-norm 5 --quiet"
@@ -163,6 +166,19 @@ def main() -> None:
         f"clipcli global-norm {q(str(f16))} --quiet",
         f"cat {q(str(f16))} > /dev/null",
         reps,
+    )
+    compare(
+        f"global-norm {gib / 2:g} GiB float16 gradients (mostly subnormal) vs `cat`",
+        f"clipcli global-norm {q(str(grads16))} --quiet",
+        f"cat {q(str(grads16))} > /dev/null",
+        reps,
+    )
+    compare(
+        f"clip-global-norm {gib / 2:g} GiB float16 gradients vs `cat && cp`",
+        clip.format(q(str(grads16)), q(str(out))).replace("--clip-norm 5", "--clip-norm 0.01"),
+        f"cat {q(str(grads16))} > /dev/null && cp {q(str(grads16))} {q(str(out))}",
+        reps,
+        f"rm -f {q(str(out))}",
     )
     compare(
         f"clip-global-norm {gib:g} GiB float32 vs `cat && cp`",

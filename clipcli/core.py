@@ -575,9 +575,63 @@ def clip_by_value(t: Any, clip_value_min: Any, clip_value_max: Any, out: np.ndar
     shape = np.broadcast_shapes(t.shape, lo.shape, hi.shape)
     if shape != t.shape:
         raise ValueError(f"clip bounds of shape {lo.shape} and {hi.shape} would broadcast {t.shape} to {shape}")
+    if t.dtype == np.float16 and _plain_bounds(lo, hi) and _no_nan_float16(t):
+        return _clip_float16(t, lo, hi, out)
     with np.errstate(invalid="ignore"):  # signalling NaNs stay NaN
         out = np.minimum(t, hi, out=out)
         return np.maximum(out, lo, out=out)
+
+
+def _plain_bounds(lo: np.ndarray, hi: np.ndarray) -> bool:
+    """Whether float16 bounds are scalars, neither NaN nor -0.0 (what `_clip_float16` takes)."""
+    return (
+        not lo.ndim
+        and not hi.ndim
+        and all(int(b.view(np.uint16)) & 0x7FFF <= 0x7C00 for b in (lo, hi))
+        and (-0x8000 not in (lo.view(np.int16), hi.view(np.int16)))
+    )
+
+
+def _no_nan_float16(t: np.ndarray) -> bool:
+    return t.size == 0 or int((t.view(np.uint16) & 0x7FFF).max()) <= 0x7C00
+
+
+def _clip_float16(t: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """`clip_by_value` for float16 values without NaN and scalar bounds (not -0.0), on integer keys.
+
+    NumPy compares float16 at ~20 ns a value. A value's key is its magnitude's bits, negated when the
+    sign is set: keys order as the values do, +-0 equal. Clipped keys turn back into bits; -0.0 stays
+    -0.0 where it is kept, as NumPy's float16 minimum and maximum keep a value equal to a bound.
+    """
+    result = np.empty_like(t) if out is None else out
+    source, target = t.reshape(-1).view(np.int16), result.reshape(-1).view(np.int16)
+    lo_key, hi_key = (int(_float16_keys(b.reshape(1).view(np.int16))[0]) for b in (lo, hi))
+    keeps_zero = lo_key <= 0 <= hi_key
+    for start in range(0, source.size, _PIECE):
+        bits, res = source[start : start + _PIECE], target[start : start + _PIECE]
+        key, negative_zero = _scratch(bits.size, np.int16), _scratch(bits.size, np.bool_)
+        if keeps_zero:
+            np.equal(bits, -0x8000, out=negative_zero)
+        _float16_keys(bits, out=key)
+        np.minimum(key, hi_key, out=key)  # in TensorFlow's order: with lo > hi, everything becomes lo
+        np.maximum(key, lo_key, out=key)
+        sign = np.right_shift(key, 15, out=res)  # -1 where negative, else 0
+        np.bitwise_xor(key, sign, out=key)
+        key -= sign  # the magnitude
+        np.bitwise_and(sign, -0x8000, out=res)
+        res |= key
+        if keeps_zero:
+            res |= negative_zero.view(np.int8).astype(np.int16) << 15
+    return result
+
+
+def _float16_keys(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Ordered integer keys of float16 bit patterns (int16): the magnitude, negated when the sign is set."""
+    sign = bits >> 15  # -1 or 0
+    key = np.bitwise_and(bits, 0x7FFF, out=out)
+    key ^= sign
+    key -= sign
+    return key
 
 
 def _bound(value: Any, dtype: np.dtype) -> np.ndarray:

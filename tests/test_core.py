@@ -552,3 +552,20 @@ def test_float16_scaling_moves_bits_exactly_as_the_float32_product_rounds():
     with np.errstate(invalid="ignore"):
         for f in (0.5, -0.5, np.nan):
             assert core.scaled(special, f).tobytes() == (special.astype(F32) * F32(f)).astype(np.float16).tobytes()
+
+
+def test_float16_clip_by_value_on_integer_keys_matches_numpys_float16_comparisons():
+    # every float16 value against bounds at the edges (+-0, subnormals, +-inf, lo > hi); NumPy's float16
+    # minimum/maximum is the reference (and the path taken with NaN values or a -0.0 bound)
+    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    bounds = [-np.inf, -65504, -1.5, -(2.0**-24), -0.0, 0.0, 2.0**-24, 2.0**-14, 0.1, 65504, np.inf]
+    for values in (x[~np.isnan(x)], x):
+        for lo in bounds:
+            for hi in bounds:
+                lo16, hi16 = np.float16(lo), np.float16(hi)
+                with np.errstate(invalid="ignore"):
+                    expected = np.maximum(np.minimum(values, hi16), lo16)
+                    got = clip_by_value(values, lo16, hi16)
+                    same = values.copy()
+                    assert clip_by_value(same, lo16, hi16, out=same) is same
+                assert got.tobytes() == expected.tobytes() == same.tobytes(), (lo, hi)

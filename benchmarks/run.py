@@ -181,6 +181,12 @@ def main() -> None:
         f"rm -f {q(str(out))}",
     )
     compare(
+        f"clip-global-norm {gib:g} GiB float32 `--dry-run` (both passes, no writing) vs `cat`",
+        f"clipcli clip-global-norm {q(str(f32))} --dry-run --clip-norm 5 --quiet",
+        f"cat {q(str(f32))} > /dev/null",
+        reps,
+    )
+    compare(
         f"clip-global-norm {gib:g} GiB float32 vs `cat && cp`",
         clip.format(q(str(f32)), q(str(out))),
         f"cat {q(str(f32))} > /dev/null && cp {q(str(f32))} {q(str(out))}",

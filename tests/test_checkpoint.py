@@ -732,3 +732,31 @@ def test_error_lines_escape_control_characters_in_names(tmp_path):
     with pytest.raises(MalformedError) as e:
         open_checkpoint(path)
     assert str(e.value) == f"{path}: tensor '\\n': missing or non-string 'dtype'"
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_written_bytes_are_handed_to_the_disk_as_the_write_goes(tmp_path, monkeypatch, suffix):
+    # a clip should not fill the page cache and then wait in fsync: every WRITEBACK_BYTES the written
+    # range is handed on (posix_fadvise DONTNEED starts its writeback); a refused hint changes nothing
+    from clipcli.checkpoint import _files
+
+    monkeypatch.setattr(_files, "WRITEBACK_BYTES", 1 << 20)
+    tensors = {f"t{i}": np.full(300_000, i, np.float32) for i in range(8)}  # 9.2 MiB of data
+    src = tmp_path / "src.safetensors"
+    src.write_bytes(st_bytes(tensors))
+    calls = []
+
+    def advise(fd, offset, length, advice):
+        calls.append((offset, length, advice))
+        raise OSError(22, "not supported here")
+
+    monkeypatch.setattr(os, "posix_fadvise", advise, raising=False)
+    out = tmp_path / f"out{suffix}"
+    with open_checkpoint(src) as ckpt:
+        save(ckpt, out, lambda t: ckpt.chunks(t, 1 << 18))
+    assert len(calls) >= 8 and all(a == os.POSIX_FADV_DONTNEED for _, _, a in calls)
+    assert [o for o, _, _ in calls[1:]] == [o + n for o, n, _ in calls[:-1]]  # consecutive ranges
+    assert calls[0][0] == 0 and all(n >= 1 << 20 for _, n, _ in calls)
+    with open_checkpoint(out) as written:
+        for t in written.tensors:
+            np.testing.assert_array_equal(written.read(t), tensors[t.name])

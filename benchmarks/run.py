@@ -225,6 +225,7 @@ def main() -> None:
         o = q(str(DATA / ("o" + path.suffix)))
         rss(f"clip-global-norm {path.name}", f"clipcli clip-global-norm {p} -o {o} --clip-norm 5 --quiet")
         rss(f"clip-norm --axes -1 {path.name}", f"clipcli clip-norm {p} -o {o} --clip-norm 5 --axes -1 --quiet")
+        rss(f"clip-norm --axes 0 {path.name}", f"clipcli clip-norm {p} -o {o} --clip-norm 5 --axes 0 --quiet")
         rss(f"clip-value {path.name}", f"clipcli clip-value {p} -o {o} --min -1 --max 1 --quiet")
         measure(f"rm -f {o}")
 

@@ -335,9 +335,11 @@ def clip_norm(
             m.skipped.append(Skipped(r.name, r.dtype, reason))
         m.total = _total(m)
     infos = {t.name: t for t in ckpt.tensors}
+    streamed = [infos[r.name] for r in m.rows if _reduces_rows(infos[r.name], axes)]
+    axis_norms = _axis_norms(ckpt, streamed, axes, job.jobs) if streamed else {}
     ops = {}
     for r in m.rows:
-        op = _clip_norm_op(infos[r.name], r.norm, clip_norm, axes)
+        op = _clip_norm_op(infos[r.name], r.norm, clip_norm, axes, axis_norms.get(r.name))
         if op is not None:
             ops[r.name] = op
     _, after = _write(ckpt, job, ops, progress)
@@ -355,22 +357,57 @@ def _axes_fit(axes: tuple[int, ...], rank: int) -> bool:
     return all(-rank <= a < rank for a in axes) and len({a % rank for a in axes}) == len(axes) if rank else False
 
 
-def _clip_norm_op(t: TensorInfo, norm: float, clip: float, axes: tuple[int, ...] | None) -> _Op | None:
+def _reduces_rows(t: TensorInfo, axes: tuple[int, ...] | None) -> bool:
+    """Whether clip-norm takes norms across rows (axis 0 among the axes, not all of them) of a C-order tensor."""
+    ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
+    return ax is not None and 0 in ax and len(ax) < len(t.shape) and not t.fortran_order
+
+
+def _axis_norms(
+    ckpt: Checkpoint, tensors: list[TensorInfo], axes: tuple[int, ...] | None, jobs: int
+) -> dict[str, np.ndarray]:
+    """Norms over axes that include axis 0, streamed: one more read of these tensors, in whole row groups."""
+
+    def group_sums(t: TensorInfo, chunk: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        return core.axis_power_sums(chunk.reshape(-1, *t.shape[1:]), core.normalize_axes(axes, len(t.shape)), 2.0)
+
+    align = {t.name: max(core.row_group(t.shape) * math.prod(t.shape[1:]), 1) for t in tensors}
+    totals: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    results = ckpt.map_chunks(tensors, group_sums, jobs, align=align)
+    try:
+        for t, parts in results:
+            for part in parts:  # in order: the same bits as in memory, whatever the chunks
+                totals[t.name] = core.add_power_sums(totals.get(t.name), part)
+    finally:
+        results.close()  # type: ignore[attr-defined]
+    return {name: core.power_sums_root(*total, 2.0) for name, total in totals.items()}
+
+
+def _clip_norm_op(
+    t: TensorInfo, norm: float, clip: float, axes: tuple[int, ...] | None, axis_norms: np.ndarray | None
+) -> _Op | None:
     """The per-chunk op of `clip-norm` on one tensor; None when it comes back unchanged.
 
     Over all axes the tensor's norm is known from the first pass: one scale. Slices along axis 0 are
-    independent, so with axes that leave axis 0 whole rows are streamed; when axis 0 is reduced, or the
-    tensor is in Fortran order, the op gets the whole tensor (held in memory).
+    independent, so with axes that leave axis 0 whole rows are streamed; with axis 0 among the axes,
+    `axis_norms` (streamed before) give one scale per slice across the rows. A tensor in Fortran order
+    with such axes is held in memory.
     """
     ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
     if ax is None or len(ax) == len(t.shape):
         scale = core.clip_scale(norm, clip)
         return None if scale == 1.0 else _Op(lambda c: core.scaled(c, scale, out=c))
-    if 0 in ax or t.fortran_order:
-        order = "F" if t.fortran_order else "C"
-        return _Op(lambda c: core.clip_by_norm(c.reshape(t.shape, order=order), clip, ax).ravel(order=order), t.size)
+    if t.fortran_order:
+        return _Op(lambda c: core.clip_by_norm(c.reshape(t.shape, order="F"), clip, ax).ravel(order="F"), t.size)
     rest = t.shape[1:]
     row = math.prod(rest)
+    if 0 in ax:
+        if axis_norms is None:  # no values
+            return None
+        scales = core.clip_scale(axis_norms, clip)
+        if (scales == 1.0).all():
+            return None
+        return _Op(lambda c: core.scaled(c.reshape(-1, *rest), scales, out=c.reshape(-1, *rest)).reshape(-1), row)
     group = max(_ROW_GROUP // max(row, 1), 1)
 
     def clip_rows(c: np.ndarray) -> np.ndarray:

@@ -62,6 +62,11 @@ _SHIFTS = {_BFLOAT16: (16, 0, 0x7F80), np.dtype(np.float16): (13, 112, 0x7C00)}
 # Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
 _SCALE_LIMIT = 600
 
+# A norm over axes that include axis 0 reduces about this many values at a time, in groups of whole rows
+# (slices along axis 0) fixed by the tensor's shape: a tensor streamed in chunks of whole groups gets the
+# same bits as one held in memory, and nothing larger than a group is widened.
+_GROUP = 1 << 16
+
 
 def is_floating(dtype: np.dtype) -> bool:
     """Whether `dtype` is a real floating type, NumPy's own or one of ml_dtypes'."""
@@ -690,12 +695,56 @@ def normalize_axes(axes: Any, ndim: int) -> tuple[int, ...] | None:
 
 def _axis_norm(t: np.ndarray, p: float, axes: tuple[int, ...]) -> np.ndarray:
     """The p-norm over `axes` of a floating or complex tensor, with the axes kept, as float64."""
+    if 0 in axes and not math.isinf(p):
+        total = None
+        for part in axis_power_sums(t, axes, p):
+            total = add_power_sums(total, part)
+        assert total is not None
+        return power_sums_root(*total, p)
     with np.errstate(invalid="ignore"):  # signalling NaNs in the data; they are NaN norms all the same
         w = _magnitudes(t)
         m = np.abs(w).max(axis=axes, keepdims=True, initial=0.0)
     if math.isinf(p):
         return m
-    s, k = _power_sums(w, m, p, axis=axes)
+    return power_sums_root(*_power_sums(w, m, p, axis=axes), p)
+
+
+def row_group(shape: tuple[int, ...]) -> int:
+    """The rows (slices along axis 0) in each group of a norm over axes that include axis 0."""
+    return max(_GROUP // max(math.prod(shape[1:]), 1), 1)
+
+
+def axis_power_sums(rows: np.ndarray, axes: tuple[int, ...], p: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The sums of |x|**p over `axes` (which include axis 0) of each group of `rows`, in order, as (s, k).
+
+    `rows` is a tensor, or a run of its rows that starts at a group's first row. The sums of a group are
+    `s * 2**k`, shaped like the norm (the axes kept); fold them in order with `add_power_sums`.
+    """
+    group = row_group(rows.shape)
+    parts = []
+    with np.errstate(invalid="ignore"):  # signalling NaNs in the data; they are NaN norms all the same
+        for start in range(0, max(rows.shape[0], 1), group):
+            w = _magnitudes(rows[start : start + group])
+            m = np.abs(w).max(axis=axes, keepdims=True, initial=0.0)
+            parts.append(_power_sums(w, m, p, axis=axes))
+    return parts
+
+
+def add_power_sums(
+    total: tuple[np.ndarray, np.ndarray] | None, part: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two power sums `s * 2**k` added in float64, at the larger exponent of each pair."""
+    if total is None:
+        return part
+    (s, k), (s2, k2) = total, part
+    if not k.any() and not k2.any():
+        return s + s2, k
+    top = np.maximum(k, k2)
+    return np.ldexp(s, k - top) + np.ldexp(s2, k2 - top), top
+
+
+def power_sums_root(s: np.ndarray, k: np.ndarray, p: float) -> np.ndarray:
+    """(s * 2**k) ** (1/p): the norms of power sums."""
     root = np.sqrt(s) if p == 2.0 else s ** (1.0 / p)
     with np.errstate(over="ignore"):  # a norm that does not fit float64 is inf
         return root * np.exp2(k / p)

@@ -16,7 +16,8 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from clipcli import commands
+from clipcli import commands, core
+from clipcli.checkpoint import open_checkpoint
 from clipcli.cli import app
 from tests.conftest import st_bytes, st_read
 
@@ -389,6 +390,50 @@ def test_clip_norm_along_axes(tmp_path):
     expected = (tensors["t"] * np.where(cols <= 2, 1.0, 2 / cols).astype(np.float32)).astype(np.float32)
     assert reference(out)["t"].tobytes() == expected.tobytes()
     assert reference(out)["v"].tobytes() == tensors["v"].tobytes()
+
+
+def test_clip_norm_across_rows_streams_and_matches_the_library(tmp_path):
+    # --axes with axis 0 (per-column norms) reads the tensor in chunks of whole row groups: the same bits
+    # as clip_by_norm on the tensor in memory, for any --jobs
+    rng = np.random.default_rng(6)
+    tensors = {
+        "w": (rng.standard_normal((3000, 1000)) * rng.uniform(0.1, 3, 1000)).astype(np.float32),  # 3 chunks
+        "e": rng.standard_normal((700, 30, 50)).astype(ml_dtypes.bfloat16),
+        "h": (rng.standard_normal((40, 6)) * 1e-3).astype(np.float16),
+    }
+    src = write_st(tmp_path / "a.safetensors", tensors)
+    outputs = set()
+    for axes in ("0", "0,-1"):
+        for jobs in ("1", "3"):
+            out = tmp_path / f"o{jobs}.safetensors"
+            ok("clip-norm", src, "-o", out, "--clip-norm", "20", "--axes", axes, "--jobs", jobs, "--quiet")
+            got = reference(out)
+            for name, t in tensors.items():
+                ax = tuple(int(a) for a in axes.split(","))
+                expected = core.clip_by_norm(t, 20.0, ax)
+                assert got[name].tobytes() == expected.tobytes(), (name, axes, jobs)
+            outputs.add((axes, out.read_bytes()))
+    assert len(outputs) == 2
+    # and the library's norms across rows against float64 arithmetic
+    a = tensors["w"].astype(np.float64)
+    np.testing.assert_allclose(core.norm(tensors["w"], axis=0), np.sqrt((a * a).sum(axis=0)), rtol=1e-14)
+
+
+def test_clip_norm_across_rows_holds_no_whole_tensor(tmp_path):
+    import tracemalloc
+
+    t = np.random.default_rng(7).standard_normal((4096, 4096)).astype(np.float32)  # 64 MiB
+    src = write_st(tmp_path / "big.safetensors", {"w": t})
+    tracemalloc.start()
+    try:
+        with open_checkpoint(src) as ckpt:
+            job = commands.ClipJob(tmp_path / "o.safetensors", jobs=2)
+            commands.clip_norm(ckpt, commands.Selection(), job, 1.0, (0,))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 << 20, peak
+    assert reference(tmp_path / "o.safetensors")["w"].tobytes() == core.clip_by_norm(t, 1.0, 0).tobytes()
 
 
 # --- clip-value -------------------------------------------------------------------------------------

@@ -55,9 +55,8 @@ _ML_FLOATS = frozenset(
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
-# 16-bit floats widen to float32 by moving their bits: |x| = bits & 0x7FFF shifted left by `shift` is the
-# float32 |x| * 2**-k, exactly (float16 subnormals included); magnitudes from `nonfinite` up are inf/NaN.
-_SHIFTS = {_BFLOAT16: (16, 0, 0x7F80), np.dtype(np.float16): (13, 112, 0x7C00)}
+# The magnitude bits (bits & 0x7FFF) of a 16-bit float from which it is inf or NaN.
+_NONFINITE16 = {_BFLOAT16: 0x7F80, np.dtype(np.float16): 0x7C00}
 
 # Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
 _SCALE_LIMIT = 600
@@ -331,7 +330,7 @@ def _widen(x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     """The values as float64, exactly (complex values become moduli), and again when they all fit float32.
 
     The first array, when not None, holds the same values as float32: a cheaper form to scan for the
-    largest magnitude (None for float64, complex and finite float16 values).
+    largest magnitude (None for float64, complex, bfloat16 and finite float16 values).
     Both may be scratch buffers, valid until the next call in this thread.
     """
     if x.dtype.kind == "c":
@@ -351,12 +350,11 @@ def _widen(x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
             np.copyto(wide, bits.view(np.float32))
             wide *= 2.0**112  # float32's exponent bias over float16's: exact
             return None, wide
-    if x.dtype == _BFLOAT16:
-        # bfloat16 is the top half of a float32: a shift widens it exactly, far faster than a cast.
-        bits = _scratch(x.size, np.uint32)
-        np.left_shift(x.view(np.uint16), 16, out=bits, dtype=np.uint32)
-        narrow = bits.view(np.float32)
-    elif x.dtype in _ML_FLOATS or x.dtype == np.float16:
+    if x.dtype == _BFLOAT16:  # ml_dtypes widens bfloat16 to float64 fast (float16 is NumPy's: slow)
+        wide = _scratch(x.size, np.float64)
+        np.copyto(wide, x)
+        return None, wide
+    if x.dtype in _ML_FLOATS or x.dtype == np.float16:
         narrow = x.astype(np.float32)
     wide = _scratch(x.size, np.float64)
     np.copyto(wide, narrow)
@@ -382,10 +380,8 @@ def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
             np.copyto(w, piece.reshape(-1, BLOCK))
             np.einsum("ij,ij->i", w, w, out=sums[start // BLOCK : (start + piece.size) // BLOCK])
         return sums, 0, peak
-    if x.dtype not in _SHIFTS:
+    if x.dtype not in _NONFINITE16:
         return None
-    # Magnitude bits, moved into float32 position: no float16 arithmetic (NumPy's is slow on subnormals).
-    shift, k, nonfinite = _SHIFTS[x.dtype]
     top = 0
     magnitudes = _scratch(min(x.size, _PIECE), np.uint16)
     bits = _scratch(min(x.size, _PIECE), np.uint32)
@@ -394,14 +390,17 @@ def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
         m = magnitudes[: piece.size]
         np.bitwise_and(piece, 0x7FFF, out=m)
         top = max(top, int(m.max()))
-        b = bits[: piece.size]
-        np.left_shift(m, shift, out=b, dtype=np.uint32)
         w = wide[: piece.size].reshape(-1, BLOCK)
-        np.copyto(w, b.view(np.float32).reshape(-1, BLOCK))
+        if x.dtype == _BFLOAT16:  # ml_dtypes widens bfloat16 to float64 fast, and exactly
+            np.copyto(w, x[start : start + _PIECE].reshape(-1, BLOCK))
+        else:  # float16's magnitude bits, moved into float32 position, are the float32 |x| * 2**-112
+            b = bits[: piece.size]  # exactly (subnormals included): no slow float16 arithmetic
+            np.left_shift(m, 13, out=b, dtype=np.uint32)
+            np.copyto(w, b.view(np.float32).reshape(-1, BLOCK))
         np.einsum("ij,ij->i", w, w, out=sums[start // BLOCK : (start + piece.size) // BLOCK])
-    if top >= nonfinite:
+    if top >= _NONFINITE16[x.dtype]:
         return None
-    return sums, 2 * k, float(np.array(top, np.uint16).view(x.dtype))
+    return sums, 0 if x.dtype == _BFLOAT16 else 224, float(np.array(top, np.uint16).view(x.dtype))
 
 
 def _row_squares(w: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -569,3 +570,31 @@ def test_float16_clip_by_value_on_integer_keys_matches_numpys_float16_comparison
                     same = values.copy()
                     assert clip_by_value(same, lo16, hi16, out=same) is same
                 assert got.tobytes() == expected.tobytes() == same.tobytes(), (lo, hi)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.array_shapes(min_dims=2, max_dims=3, min_side=2, max_side=12), st.integers(1, 5), st.data())
+def test_norms_across_rows_fold_groups_the_same_however_the_rows_are_cut(shape, group_values, data):
+    # norms over axes that include axis 0 add fixed groups of rows in order: cutting the rows anywhere at a
+    # group boundary (as the command line streams them) gives the same bits as the whole tensor
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    t = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, shape)).astype(F32)  # sums that round
+    axes = data.draw(st.sampled_from([a for a in [(0,), (0, 1), (0, 2), (0, 1, 2)] if max(a) < t.ndim]))
+    original = core._GROUP
+    core._GROUP = group_values * math.prod(t.shape[1:])  # a few rows per group, so there are several
+    try:
+        whole = core._axis_norm(t, 2.0, axes)
+        group = core.row_group(t.shape)
+        cuts = sorted(data.draw(st.sets(st.integers(1, max(t.shape[0] // group, 1)), max_size=3)))
+        bounds = [0, *(c * group for c in cuts if c * group < t.shape[0]), t.shape[0]]
+        total = None
+        for a, b in itertools.pairwise(bounds):
+            for part in core.axis_power_sums(t[a:b], axes, 2.0):
+                total = core.add_power_sums(total, part)
+        streamed = core.power_sums_root(*total, 2.0)
+    finally:
+        core._GROUP = original
+    assert streamed.tobytes() == whole.tobytes()
+    w = t.astype(np.float64)
+    reference = np.sqrt(np.sum(w * w, axis=axes, keepdims=True))
+    np.testing.assert_allclose(whole, reference, rtol=1e-13, atol=0)

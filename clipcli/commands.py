@@ -391,7 +391,7 @@ def _clip_norm_op(
     Over all axes the tensor's norm is known from the first pass: one scale. Slices along axis 0 are
     independent, so with axes that leave axis 0 whole rows are streamed; with axis 0 among the axes,
     `axis_norms` (streamed before) give one scale per slice across the rows. A tensor in Fortran order
-    with such axes is held in memory.
+    is held in memory.
     """
     ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
     if ax is None or len(ax) == len(t.shape):

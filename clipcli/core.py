@@ -56,7 +56,8 @@ _ML_FLOATS = frozenset(
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 # The magnitude bits (bits & 0x7FFF) of a 16-bit float from which it is inf or NaN.
-_NONFINITE16 = {_BFLOAT16: 0x7F80, np.dtype(np.float16): 0x7C00}
+_INF16 = 0x7C00  # float16's inf; its NaNs lie above
+_NONFINITE16 = {_BFLOAT16: 0x7F80, np.dtype(np.float16): _INF16}
 
 # Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
 _SCALE_LIMIT = 600
@@ -338,18 +339,11 @@ def _widen(x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     if x.dtype == np.float64:
         return None, x
     narrow = x
-    if x.dtype == np.float16:
-        magnitudes = x.view(np.uint16) & 0x7FFF
-        if magnitudes.max() < 0x7C00:  # finite: NumPy's float16 casts are slow, on subnormals very slow
-            bits = _scratch(x.size, np.uint32)
-            np.left_shift(x.view(np.uint16), 16, out=bits, dtype=np.uint32)
-            signed = bits.view(np.int32)
-            np.right_shift(signed, 3, out=signed)  # exponent and mantissa in place; the sign copied down
-            np.bitwise_and(bits, 0x8FFFE000, out=bits)  # and cleared where it was copied
-            wide = _scratch(x.size, np.float64)
-            np.copyto(wide, bits.view(np.float32))
-            wide *= 2.0**112  # float32's exponent bias over float16's: exact
-            return None, wide
+    if x.dtype == np.float16 and _top16(x) < _INF16:  # NumPy's float16 casts are slow (very, on subnormals)
+        wide = _scratch(x.size, np.float64)
+        _float16_scaled_down(x.view(np.uint16), wide)
+        wide *= 2.0**112
+        return None, wide
     if x.dtype == _BFLOAT16:  # ml_dtypes widens bfloat16 to float64 fast (float16 is NumPy's: slow)
         wide = _scratch(x.size, np.float64)
         np.copyto(wide, x)
@@ -359,6 +353,25 @@ def _widen(x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     wide = _scratch(x.size, np.float64)
     np.copyto(wide, narrow)
     return narrow, wide
+
+
+def _top16(x: np.ndarray) -> int:
+    """The largest magnitude bits (bits & 0x7FFF) among 16-bit floats; 0 when there are none."""
+    return int((x.view(np.uint16) & 0x7FFF).max()) if x.size else 0
+
+
+def _float16_scaled_down(bits: np.ndarray, wide: np.ndarray) -> None:
+    """Writes finite float16 values (given as bits) times 2**-112 into float64 `wide`, exactly.
+
+    Moved into float32 position, float16's exponent and mantissa are the float32 of |x| * 2**-112 (the
+    exponent biases differ by 112; float16 subnormals become float32 subnormals): no float16 arithmetic.
+    """
+    u = _scratch(bits.size, np.uint32)
+    np.left_shift(bits, 16, out=u, dtype=np.uint32)
+    signed = u.view(np.int32)
+    np.right_shift(signed, 3, out=signed)  # exponent and mantissa in place; the sign copied down
+    np.bitwise_and(u, 0x8FFFE000, out=u)  # and cleared where it was copied
+    np.copyto(wide, u.view(np.float32))
 
 
 def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
@@ -502,17 +515,13 @@ def scaled(t: np.ndarray, scale: Any, out: np.ndarray | None = None) -> np.ndarr
         factor = scale.astype(np.float32)
         if t.dtype in (np.float32, np.complex64):
             return np.multiply(t, factor, out=out)
-        if t.dtype == np.float16 and not factor.ndim and factor >= 0 and _finite_float16(t):
+        if t.dtype == np.float16 and not factor.ndim and factor >= 0 and _top16(t) < _INF16:
             return _scaled_float16(t, factor, out)
         product = t.astype(np.float32) * factor
         if out is None:
             return product.astype(t.dtype)
         np.copyto(out, product, casting="unsafe")
         return out
-
-
-def _finite_float16(t: np.ndarray) -> bool:
-    return t.size == 0 or int((t.view(np.uint16) & 0x7FFF).max()) < 0x7C00
 
 
 def _scaled_float16(t: np.ndarray, factor: np.float32, out: np.ndarray | None) -> np.ndarray:
@@ -526,14 +535,11 @@ def _scaled_float16(t: np.ndarray, factor: np.float32, out: np.ndarray | None) -
     for start in range(0, source.size, _PIECE):
         bits = source[start : start + _PIECE]
         n = bits.size
-        u, m, product = _scratch(n, np.uint32), _scratch(n, np.int32), _scratch(n, np.float64)
-        sign = _scratch(n, np.uint16)
+        m, product, sign = _scratch(n, np.int32), _scratch(n, np.float64), _scratch(n, np.uint16)
         np.bitwise_and(bits, 0x8000, out=sign)
-        np.left_shift(bits, 16, out=u, dtype=np.uint32)
-        np.right_shift(u.view(np.int32), 3, out=u.view(np.int32))
-        np.bitwise_and(u, 0x8FFFE000, out=u)  # t * 2**-112 as float32, exactly (see _widen)
-        np.copyto(product, u.view(np.float32))
+        _float16_scaled_down(bits, product)
         product *= float(factor) * 2.0**112  # t * factor, exactly
+        u = _scratch(n, np.uint32)  # _float16_scaled_down's scratch, free again
         v = u.view(np.float32)
         np.copyto(v, product)  # rounded once to float32
         # Round |v| to float16's grid: adding 2**(E + 13), whose ulp is float16's ulp at v's exponent E
@@ -579,7 +585,7 @@ def clip_by_value(t: Any, clip_value_min: Any, clip_value_max: Any, out: np.ndar
     shape = np.broadcast_shapes(t.shape, lo.shape, hi.shape)
     if shape != t.shape:
         raise ValueError(f"clip bounds of shape {lo.shape} and {hi.shape} would broadcast {t.shape} to {shape}")
-    if t.dtype == np.float16 and _plain_bounds(lo, hi) and _no_nan_float16(t):
+    if t.dtype == np.float16 and _plain_bounds(lo, hi) and _top16(t) <= _INF16:
         return _clip_float16(t, lo, hi, out)
     with np.errstate(invalid="ignore"):  # signalling NaNs stay NaN
         out = np.minimum(t, hi, out=out)
@@ -591,13 +597,9 @@ def _plain_bounds(lo: np.ndarray, hi: np.ndarray) -> bool:
     return (
         not lo.ndim
         and not hi.ndim
-        and all(int(b.view(np.uint16)) & 0x7FFF <= 0x7C00 for b in (lo, hi))
+        and max(_top16(lo), _top16(hi)) <= _INF16
         and (-0x8000 not in (lo.view(np.int16), hi.view(np.int16)))
     )
-
-
-def _no_nan_float16(t: np.ndarray) -> bool:
-    return t.size == 0 or int((t.view(np.uint16) & 0x7FFF).max()) <= 0x7C00
 
 
 def _clip_float16(t: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.ndarray | None) -> np.ndarray:

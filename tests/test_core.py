@@ -394,7 +394,9 @@ def test_global_clip_uses_one_common_scale(ts, c):
     scale = 1.0 if g <= c else c / g
     for x, y in zip(ts, out, strict=True):
         np.testing.assert_array_equal(y, x * F32(scale))
-    assert g == pytest.approx(exact_norm(np.concatenate([x.ravel() for x in ts])), rel=1e-15)
+    # the promise is 1e-12 (block sums of up to 8192 terms are rounded); 1e-15 is only typical: many equal
+    # large values (found by hypothesis) reach ~1e-14
+    assert g == pytest.approx(exact_norm(np.concatenate([x.ravel() for x in ts])), rel=1e-12)
 
 
 @example(np.array([0.1] * 9000, F32), [8192])  # a split that lands inside the first block
@@ -409,6 +411,7 @@ def test_chunked_accumulation_gives_the_same_bits(x, cuts):
     assert one.result() == pieces.result()
 
 
+@example(np.full((6, 6, 6), 7.446979e17, F32), 2)  # equal values: the block sum's rounding, 1.3e-15
 @given(arrays32, st.sampled_from([1, 2, 3, 0.5, np.inf]))
 def test_norm_against_exact_fractions(t, p):
     assume(t.size)
@@ -421,8 +424,8 @@ def test_norm_against_exact_fractions(t, p):
         ref = ref if ref is not None else sum(abs(float(v)) ** 0.5 for v in t.ravel()) ** 2
         assert got == pytest.approx(ref, rel=1e-13)
     else:
-        # exact up to the float64 sums of each block of values: a few ulps at most
-        assert got == pytest.approx(expected, rel=1e-15, abs=0)
+        # exact up to the float64 sums of each block of values: the promise is 1e-12, typically 1e-15
+        assert got == pytest.approx(expected, rel=1e-12, abs=0)
 
 
 def test_merge_is_exact_for_values_far_apart():

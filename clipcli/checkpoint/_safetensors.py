@@ -9,7 +9,7 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -69,9 +69,11 @@ DTYPES = _dtypes()
 BY_ARRAY_DTYPE = {d.array: d for d in DTYPES.values() if d.array is not None}
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a safetensors header: its data lies at `start` (absolute) for `nbytes` bytes."""
+class Entry(NamedTuple):
+    """One tensor of a safetensors header: its data lies at `start` (absolute) for `nbytes` bytes.
+
+    A named tuple: a header may list 10,000 tensors, and a tuple is made several times faster than a
+    frozen dataclass."""
 
     name: str
     dtype: Dtype
@@ -222,7 +224,10 @@ def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
 
 def _counts(values: list[Any]) -> bool:
     """Whether every value is a non-negative int (JSON's integers; not a bool, not a float)."""
-    return all(type(x) is int and x >= 0 for x in values)
+    for x in values:  # a loop: twice as fast as all() over a generator, twice per tensor
+        if type(x) is not int or x < 0:
+            return False
+    return True
 
 
 def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import signal
@@ -873,9 +872,6 @@ def main(argv: list[str] | None = None) -> None:
     """
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
-    # A command makes many objects that live to its end (a record per tensor) and few cycles: a
-    # collection every 700 allocations cost a fifth of reading 10,000 tiny tensors.
-    gc.set_threshold(100_000, 20, 100)
     try:
         app(args=argv, prog_name="clipcli")
     except (KeyboardInterrupt, Terminated):

@@ -1,12 +1,14 @@
 """Checkpoints on disk: list tensors from headers, read them in bounded chunks, write them atomically.
 
-Each format is one module (`_safetensors`, `_sharded`, `_npz`, `_npy`) that opens a file into tensors
-with locations and writes tensors from chunks; this module knows no format beyond the registry below.
+Each format is one module (`_safetensors`, `_sharded`, `_npz`, `_npy`, `_torch`, `_dcp`) that opens a file
+into tensors with locations and writes tensors from chunks; this module knows no format beyond the
+registry below.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import shlex
@@ -20,7 +22,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
-from clipcli.checkpoint import _dcp, _engine, _npy, _npz, _safetensors, _sharded, _torch
+from clipcli.checkpoint import _engine, _npy, _npz, _safetensors, _sharded
 from clipcli.checkpoint._engine import CHUNK_BYTES, as_values, geometry, spans
 from clipcli.checkpoint._files import (
     Pieces,
@@ -63,8 +65,15 @@ __all__ = [
 R = TypeVar("R")
 INDEX_SUFFIX = _sharded.INDEX_SUFFIX
 
-# The file formats: how each is opened and written. A format is a module and a line here.
-_FILE_FORMATS = {"safetensors": _safetensors, "npz": _npz, "npy": _npy, "torch": _torch}
+# The file formats: how each is opened and written. A format is a module and a line here: the module
+# and the suffixes that name it. Modules are imported when a file needs them (PyTorch's reader and its
+# unpickler would be a tenth of the start-up of every other command).
+_FILE_FORMATS = {
+    "safetensors": ("_safetensors", (".safetensors",)),
+    "npz": ("_npz", (".npz",)),
+    "npy": ("_npy", (".npy",)),
+    "torch": ("_torch", (".pt", ".pth", ".bin", ".ckpt")),
+}
 _WRITABLE = ("safetensors", "npz", "npy")
 
 
@@ -119,8 +128,8 @@ def output_kind(path: Path) -> str:
     name = path.name
     if name.endswith(INDEX_SUFFIX):
         return "index"
-    for kind, module in _FILE_FORMATS.items():
-        if name.endswith(module.SUFFIXES):
+    for kind, (_, suffixes) in _FILE_FORMATS.items():
+        if name.endswith(suffixes):
             return kind
     return "directory"
 
@@ -410,8 +419,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             path,
         )
     try:
-        if path.is_dir() and _dcp.is_dcp(path):
-            metadata, tensors = _dcp.open_directory(path)
+        if path.is_dir() and _dcp_module().is_dcp(path):
+            metadata, tensors = _dcp_module().open_directory(path)
             return Checkpoint(path, "distcp", metadata, tensors, sorted({Path(t.file) for t in tensors}))
         if path.is_dir():
             index = _sharded.find_index(path)
@@ -432,7 +441,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                     f".pth, .bin or .ckpt, or a directory); the file looks like {sniff(read_head(path))}",
                     path,
                 )
-        metadata, tensors = _FILE_FORMATS[kind].open_file(path)
+        metadata, tensors = _format(kind).open_file(path)
         return Checkpoint(path, kind, metadata, tensors, [path])
     except ClipcliError as e:
         if e.path is None:
@@ -440,6 +449,18 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", path) from e
+
+
+def _format(kind: str) -> Any:
+    """The module of a file format."""
+    return importlib.import_module(f"clipcli.checkpoint.{_FILE_FORMATS[kind][0]}")
+
+
+def _dcp_module() -> Any:
+    """The module of PyTorch's distributed checkpoints (a directory)."""
+    from clipcli.checkpoint import _dcp
+
+    return _dcp
 
 
 def _open_index(path: Path) -> Checkpoint:
@@ -540,7 +561,7 @@ def save(
             with atomic_write(target) as f:
                 kind = output_kind(target)
                 ordered = _c_order(chunks) if kind == "safetensors" else chunks  # safetensors holds C order only
-                _FILE_FORMATS[kind].write(f, group, source.metadata, ordered, _expect(target))
+                _format(kind).write(f, group, source.metadata, ordered, _expect(target))
             written.append(target)
         return [*written, *_write_index(layout)]
 

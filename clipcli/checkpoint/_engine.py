@@ -20,14 +20,16 @@ import signal
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
 from clipcli.checkpoint._files import Span
 from clipcli.core import BLOCK
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 CHUNK_BYTES = 4 << 20
 # Memory for all workers' chunk buffers together: more workers read smaller chunks (16 workers, 512 KiB).
@@ -655,6 +657,8 @@ def map_chunks(
     todo = tasks()
     free: list[np.ndarray] = []
     inflight: collections.deque[tuple[Future[tuple[Any, R]], np.ndarray]] = collections.deque()
+    from concurrent.futures import ThreadPoolExecutor  # here: its imports (logging) cost every other run
+
     pool = ThreadPoolExecutor(jobs, thread_name_prefix="clipcli-read")
 
     def submit() -> None:

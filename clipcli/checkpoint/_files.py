@@ -6,7 +6,6 @@ import contextlib
 import math
 import os
 import stat
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,6 +276,8 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
     except OSError as e:
         raise WriteError(e.strerror or str(e), target) from e
     try:
+        import tempfile  # here: only writes need it (and its imports)
+
         fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".tmp")
     except OSError as e:
         raise WriteError(f"cannot create a file in {real.parent}: {e.strerror or e}", target) from e

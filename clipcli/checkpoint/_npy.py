@@ -19,7 +19,6 @@ import numpy as np
 from clipcli.checkpoint._files import Span, read_head, sniff, write_data
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
-SUFFIXES = (".npy",)
 MAGIC = b"\x93NUMPY"
 MAX_HEADER = 10_000  # NumPy's own default `max_header_size`: longer headers are refused as unsafe to parse
 _PORTABLE_KINDS = "biufc"

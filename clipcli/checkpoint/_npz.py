@@ -17,7 +17,6 @@ from clipcli.checkpoint import _npy
 from clipcli.checkpoint._files import Span, StoredCrc, ZipMember, read_head, sniff, write_data
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
 
-SUFFIXES = (".npz",)
 MAX_LZMA_DICTIONARY = 64 << 20  # 7-Zip's "ultra" setting; Python's zipfile writes 8 MiB
 _METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 # What a damaged zip member raises while it is decompressed (bzip2 reports bad data as OSError).

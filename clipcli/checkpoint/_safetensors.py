@@ -17,7 +17,6 @@ import numpy as np
 from clipcli.checkpoint._files import SAFETENSORS, UNKNOWN, Span, read_head, sniff, write_data
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
-SUFFIXES = (".safetensors",)
 MAX_HEADER = 100_000_000
 _JSON_SPACE = b" \t\r\n"
 
@@ -224,7 +223,7 @@ def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
 
 def _counts(values: list[Any]) -> bool:
     """Whether every value is a non-negative int (JSON's integers; not a bool, not a float)."""
-    for x in values:  # a loop: twice as fast as all() over a generator, twice per tensor
+    for x in values:  # noqa: SIM110 - a loop is twice as fast as all() over a generator (twice per tensor)
         if type(x) is not int or x < 0:
             return False
     return True

@@ -11,7 +11,6 @@ from clipcli.checkpoint import _safetensors
 from clipcli.errors import InputError, MalformedError, MissingFileError
 
 INDEX_SUFFIX = ".safetensors.index.json"
-SUFFIXES = (INDEX_SUFFIX,)
 
 
 def open_index(path: Path) -> tuple[dict[str, str], list[Any], list[Path], dict[str, Any]]:

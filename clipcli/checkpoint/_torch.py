@@ -46,7 +46,6 @@ from clipcli.checkpoint._pickle import (
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
 
 __all__ = [
-    "SUFFIXES",
     "TorchTensor",
     "dtype_of",
     "is_contiguous",
@@ -57,7 +56,6 @@ __all__ = [
     "view_byte_range",
 ]
 
-SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 # Bytes of pickle clipcli reads: a state dict of 10^5 tensors takes ~10 MB; unpickled, a pickle can take
 # up to ~100 times its size (an EMPTY_DICT opcode is 1 byte, a dict 64).

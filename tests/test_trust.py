@@ -523,3 +523,27 @@ def test_drawing_a_table_does_not_load_rich(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_safetensors_run_imports_no_reader_it_does_not_need(tmp_path):
+    # PyTorch's reader with its unpickler, the thread pool (with logging) and tempfile were a tenth of the
+    # start-up of every run; they are imported when a file or a write needs them.
+    src = write_st(tmp_path / "few.safetensors", {f"t{i}": np.ones(2, np.float32) for i in range(3)})
+    unneeded = ["clipcli.checkpoint._torch", "clipcli.checkpoint._dcp", "clipcli.checkpoint._pickle",
+                "concurrent.futures", "tempfile"]  # fmt: skip
+    code = (
+        "import sys; from clipcli.cli import main\n"
+        f"try: main(['global-norm', {str(src)!r}, '--format', 'json'])\n"
+        "except SystemExit: pass\n"
+        f"print([m for m in {unneeded!r} if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    # and they are there when needed: a clip writes through tempfile
+    code = code.replace(
+        "'global-norm', ", f"'clip-norm', '-o', {str(tmp_path / 'o.safetensors')!r}, '--clip-norm', '1', "
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['tempfile']"

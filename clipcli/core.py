@@ -241,18 +241,16 @@ class NormAccumulator:
         ord: the order p: 'euclidean' or 2, 1, inf, or any p > 0.
     """
 
-    # Counts start at these class values (an accumulator is made per tensor: 10,000 for a LoRA adapter).
-    _position = 0
-    max_abs = 0.0
-    nan = 0
-    inf = 0
-    size = 0
-
     def __init__(self, ord: Any = 2) -> None:
         self.p = parse_ord(ord)
         self._sum = _ExactSum()
         # Values of blocks seen in part (at a chunk's edges), widened: block number -> [(offset, values)].
         self._fragments: dict[int, list[tuple[int, np.ndarray]]] = {}
+        self._position = 0
+        self.max_abs = 0.0
+        self.nan = 0
+        self.inf = 0
+        self.size = 0
 
     def add(self, chunk: np.ndarray, offset: int | None = None) -> None:
         """Adds values of the tensor (any shape; taken in C order): the next ones, or those from `offset` on.

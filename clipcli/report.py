@@ -232,6 +232,8 @@ def summarize(rows: Sequence[TensorRow], max_abs_after: float | None = None) -> 
 
 def _num(x: float | None) -> Any:
     """A number for strict JSON: non-finite values become the strings 'nan', 'inf', '-inf'."""
+    if type(x) is float and math.isfinite(x):  # the common case first: three a row, 10,000 rows
+        return x
     if x is None:
         return None
     if isinstance(x, int):

@@ -127,7 +127,7 @@ class _Measured:
     rows: list[TensorRow]
     skipped: list[Skipped]
     total: core.NormAccumulator
-    per_tensor: dict[str, core.NormAccumulator]
+    per_tensor: _PerTensor
 
 
 def _select(ckpt: Checkpoint, selection: Selection, real_only: bool = False) -> tuple[list[TensorInfo], list[Skipped]]:
@@ -181,6 +181,7 @@ class _Norms:
     def __init__(self, p: float):
         self.p = p
         self.accs: dict[str, core.NormAccumulator] = {}
+        self.small: list[tuple[list[str], core.SmallNorms]] = []  # runs of small tensors, by name
 
     def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> None:
         acc = self.accs.get(t.name)
@@ -190,7 +191,7 @@ class _Norms:
 
     def batch(self, ts: list[TensorInfo], raw: np.ndarray, starts: list[int]) -> None:
         """Whole small tensors read together: runs of one native dtype, fewer than BLOCK values each, in a
-        few NumPy passes for the run (`core.norms_of_small`, the same bits)."""
+        few NumPy passes for the run (`core.small_norms`, the same bits)."""
         i = 0
         while i < len(ts):
             t = ts[i]
@@ -206,16 +207,16 @@ class _Norms:
             else:  # with gaps between them (an .npz's member headers)
                 values = np.concatenate([raw[starts[k] : starts[k] + ts[k].nbytes] for k in range(i, j)])
                 values = values.view(t.array_dtype)
-            for u, acc in zip(ts[i:j], core.norms_of_small(values, [u.size for u in ts[i:j]], self.p), strict=True):
-                self.accs[u.name] = acc
+            small = core.small_norms(values, [u.size for u in ts[i:j]], self.p)
+            self.small.append(([u.name for u in ts[i:j]], small))
             i = j
 
-    def result(self) -> dict[str, core.NormAccumulator]:
-        return self.accs
+    def result(self) -> tuple[dict[str, core.NormAccumulator], list[tuple[list[str], core.SmallNorms]]]:
+        return self.accs, self.small
 
 
 def _same_run(t: TensorInfo, u: TensorInfo) -> bool:
-    """Whether u joins t's run of small tensors for `norms_of_small`."""
+    """Whether u joins t's run of small tensors for `small_norms`."""
     return u.array_dtype == t.array_dtype and u.stored_dtype is None and u.size < core.BLOCK
 
 
@@ -225,16 +226,39 @@ def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
     return as_values(raw[start : start + t.nbytes], t.stored_dtype or t.array_dtype)
 
 
-def _combined(p: float, tensors: list[TensorInfo], parts: Iterable[dict[str, core.NormAccumulator]]) -> dict:
+class _PerTensor(dict):
+    """Each tensor's accumulator by name; those of small tensors measured together (`batches`) are made
+    from their `core.SmallNorms` when first asked for (by --depth, or a clip)."""
+
+    def __init__(self, batches: Sequence[tuple[list[str], core.SmallNorms]] = ()):
+        super().__init__()
+        self.batches = batches
+        self._where = {name: (s, i) for names, s in batches for i, name in enumerate(names)}
+
+    def __missing__(self, name: str) -> core.NormAccumulator:
+        s, i = self._where[name]
+        acc = self[name] = s.accumulator(i)
+        return acc
+
+
+def _combined(
+    p: float,
+    tensors: list[TensorInfo],
+    parts: Iterable[dict[str, core.NormAccumulator]],
+    batches: Sequence[tuple[list[str], core.SmallNorms]] = (),
+) -> _PerTensor:
     """Each tensor's norm from the workers' parts (exactly: the same bits however the chunks were shared)."""
-    per_tensor: dict[str, core.NormAccumulator] = {}
+    per_tensor = _PerTensor(batches)
     for accs in parts:
         for name, acc in accs.items():
             if name in per_tensor:
                 per_tensor[name].combine(acc)
             else:
                 per_tensor[name] = acc
-    return {t.name: per_tensor.get(t.name) or core.NormAccumulator(p) for t in tensors}  # empty: no chunks
+    for t in tensors:
+        if t.name not in per_tensor and t.name not in per_tensor._where:
+            per_tensor[t.name] = core.NormAccumulator(p)  # no chunks: empty
+    return per_tensor
 
 
 def _measure(
@@ -247,23 +271,29 @@ def _measure(
 ) -> _Measured:
     progress.phase("measuring", sum(t.nbytes for t in selected))
     results = run(ckpt, selected, lambda: _Norms(p), jobs, progress=progress.advance)
-    return _measured(selected, skipped, _combined(p, selected, results), p)
+    batches = [batch for _, small in results for batch in small]
+    return _measured(selected, skipped, _combined(p, selected, (accs for accs, _ in results), batches), p)
 
 
-def _measured(
-    selected: list[TensorInfo], skipped: list[Skipped], per_tensor: dict[str, core.NormAccumulator], p: float
-) -> _Measured:
-    """The report's rows from each selected tensor's accumulated norm."""
+def _measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: _PerTensor, p: float) -> _Measured:
+    """The report's rows from each selected tensor's accumulated norm (small tensors' in a few NumPy passes)."""
     total = core.NormAccumulator(p)
-    stats = []
+    stats: dict[str, tuple[float, float, int, int]] = {}
+    for names, s in per_tensor.batches:
+        s.merge_into(total)
+        figures = zip(s.norms().tolist(), s.max_abs.tolist(), s.nan.tolist(), s.inf.tolist(), strict=True)
+        stats.update(zip(names, figures, strict=True))
     for t in selected:
-        stats.append(per_tensor[t.name].result())
-        total.merge(per_tensor[t.name])
+        if t.name not in stats:
+            acc = per_tensor[t.name]
+            r = acc.result()
+            stats[t.name] = (r.norm, r.max_abs, r.nan, r.inf)
+            total.merge(acc)
     g = total.result().norm
-    rows = [
-        TensorRow(t.name, t.dtype, t.shape, t.nbytes, s.norm, s.max_abs, s.nan, s.inf, _share(s.norm, g, p))
-        for t, s in zip(selected, stats, strict=True)
-    ]
+    rows = []
+    for t in selected:
+        norm, max_abs, nan, inf = stats[t.name]
+        rows.append(TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, _share(norm, g, p)))
     return _Measured(rows, skipped, total, per_tensor)
 
 
@@ -446,7 +476,7 @@ class _Clips:
 
 def _write(
     ckpt: Checkpoint, job: ClipJob, ops: dict[str, _Op], progress: Progress, measure_first: bool = False
-) -> tuple[dict[str, core.NormAccumulator], dict[str, core.NormAccumulator]]:
+) -> tuple[_PerTensor, _PerTensor]:
     """Streams every tensor into the output (or, on a dry run, those with an op nowhere), through its op.
 
     Returns the norms of what was read (only with `measure_first`: one pass instead of two) and of what
@@ -462,13 +492,13 @@ def _write(
         tensors = opped if places is None else ckpt.tensors
         progress.phase("clipping" if job.output is None else "writing", sum(t.nbytes for t in tensors))
         results = run(ckpt, tensors, lambda: _Clips(ops, places, measure_first), job.jobs, align, progress.advance)
-    before = _combined(2.0, opped, (r[0] for r in results)) if measure_first else {}
+    before = _combined(2.0, opped, (r[0] for r in results)) if measure_first else _PerTensor()
     return before, _combined(2.0, opped, (r[1] for r in results))
 
 
 def _write_in_order(
     ckpt: Checkpoint, job: ClipJob, ops: dict[str, _Op], progress: Progress, measure_first: bool
-) -> tuple[dict[str, core.NormAccumulator], dict[str, core.NormAccumulator]]:
+) -> tuple[_PerTensor, _PerTensor]:
     """`_write` for outputs whose bytes must come in order: chunks computed by threads, written in turn."""
 
     def work(t: TensorInfo, offset: int, chunk: np.ndarray) -> tuple[np.ndarray, tuple[core.NormAccumulator, ...]]:
@@ -482,8 +512,9 @@ def _write_in_order(
         written.add(out, offset // out.itemsize)
         return out, (read, written)
 
-    before = {name: core.NormAccumulator(2) for name in ops}
-    after = {name: core.NormAccumulator(2) for name in ops}
+    before, after = _PerTensor(), _PerTensor()
+    for name in ops:
+        before[name], after[name] = core.NormAccumulator(2), core.NormAccumulator(2)
     progress.phase("writing", sum(t.nbytes for t in ckpt.tensors))
     results = ckpt.map_chunks(ckpt.tensors, work, job.jobs, align={n: op.align for n, op in ops.items()})
     stream = _InOrder(results)
@@ -500,7 +531,7 @@ def _write_in_order(
         save(ckpt, job.output, chunks, in_place=job.in_place)
     finally:
         results.close()  # type: ignore[attr-defined]
-    return (before if measure_first else {}), after
+    return (before if measure_first else _PerTensor()), after
 
 
 def _finish(

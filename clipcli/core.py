@@ -17,6 +17,7 @@ __all__ = [
     "DiffStats",
     "NormAccumulator",
     "NormStats",
+    "SmallNorms",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
@@ -26,9 +27,9 @@ __all__ = [
     "is_floating",
     "norm",
     "normalize_axes",
-    "norms_of_small",
     "parse_ord",
     "scaled",
+    "small_norms",
     "stats_clip_scale",
     "sums_clip_scale",
     "tensor_clip_scale",
@@ -241,6 +242,8 @@ class NormAccumulator:
         ord: the order p: 'euclidean' or 2, 1, inf, or any p > 0.
     """
 
+    __slots__ = ("_fragments", "_position", "_sum", "inf", "max_abs", "nan", "p", "size")
+
     def __init__(self, ord: Any = 2) -> None:
         self.p = parse_ord(ord)
         self._sum = _ExactSum()
@@ -293,7 +296,7 @@ class NormAccumulator:
         with np.errstate(invalid="ignore"):
             if values.size == BLOCK:
                 self._add_blocks(None, values.reshape(1, -1))
-            else:  # a tensor's tail: summed as `norms_of_small` sums it, alone or among others
+            else:  # a tensor's tail: summed as `small_norms` sums it, alone or among others
                 self._add_tails(values, np.zeros(1, np.int64))
 
     def _add_tails(self, w: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -542,7 +545,7 @@ def _segment_power_sums(w: np.ndarray, starts: np.ndarray, m: np.ndarray, p: flo
     """`_power_sums` of the segments of a flat array that begin at `starts` (`m`: each one's peak), as s * 2**k.
 
     Summed by `np.add.reduceat`, whose sum of a segment does not depend on its neighbours: the tail of a
-    tensor gives the same bits alone and among other tensors' (see `norms_of_small`).
+    tensor gives the same bits alone and among other tensors' (see `small_norms`).
     """
     if math.isinf(p):  # the inf-norm needs the peaks alone
         return m, np.zeros(m.shape, np.int64)
@@ -565,43 +568,103 @@ def _segment_power_sums(w: np.ndarray, starts: np.ndarray, m: np.ndarray, p: flo
     return s, k.astype(np.int64)
 
 
-def norms_of_small(x: np.ndarray, sizes: Sequence[int], ord: Any = 2) -> list[NormAccumulator]:
-    """Accumulators of small tensors whose values lie one after another in `x`, each fewer than BLOCK.
+class SmallNorms:
+    """The norms of small tensors measured together (`small_norms`): per-tensor NumPy arrays.
+
+    `size`, `max_abs` (the largest magnitude, inf included, NaN aside), `nan` and `inf` counts, and for
+    tensors with neither NaN nor Inf the sum of |x|**p as `sums * 2**exps`. `accumulator(i)` is what
+    adding tensor i to a `NormAccumulator` of its own gives; `norms()` and `merge_into` give the same
+    bits as those accumulators' results and merges, in a few NumPy passes for all of them.
+    """
+
+    def __init__(self, p: float, size: np.ndarray, max_abs: np.ndarray, nan: np.ndarray, inf: np.ndarray,
+                 sums: np.ndarray, exps: np.ndarray) -> None:  # fmt: skip
+        self.p, self.size, self.max_abs, self.nan, self.inf, self.sums, self.exps = (
+            p,
+            size,
+            max_abs,
+            nan,
+            inf,
+            sums,
+            exps,
+        )
+
+    def __len__(self) -> int:
+        return self.size.size
+
+    def accumulator(self, i: int) -> NormAccumulator:
+        acc = NormAccumulator(self.p)
+        acc.size = acc._position = int(self.size[i])
+        acc.max_abs, acc.nan, acc.inf = float(self.max_abs[i]), int(self.nan[i]), int(self.inf[i])
+        if not (acc.nan or acc.inf or math.isinf(self.p)):
+            acc._sum.add(float(self.sums[i]), int(self.exps[i]))
+        return acc
+
+    def norms(self) -> np.ndarray:
+        """Each tensor's norm, as `accumulator(i).result().norm`.
+
+        A tensor's sum is one float64 term s * 2**k: its root is sqrt(s) * 2**(k/2) (k is even for p = 2)
+        or s * 2**k for p = 1, each correctly rounded as the exact sums' roots are.
+        """
+        p = self.p
+        if math.isinf(p):
+            out = self.max_abs.copy()
+        elif p == 2.0:
+            with np.errstate(over="ignore"):
+                out = np.ldexp(np.sqrt(self.sums), self.exps // 2)
+        elif p == 1.0:
+            with np.errstate(over="ignore"):
+                out = np.ldexp(self.sums, self.exps)
+        else:
+            out = np.array([self.accumulator(i).result().norm for i in range(len(self))])
+        out[self.inf > 0] = math.inf
+        out[self.nan > 0] = math.nan
+        return out
+
+    def merge_into(self, total: NormAccumulator) -> None:
+        """`total.merge(self.accumulator(i))` for every tensor."""
+        if total.p != self.p:
+            raise ValueError("cannot merge norms of different orders")
+        finite = (self.nan == 0) & (self.inf == 0)
+        if not math.isinf(self.p):
+            _add_power_sums(total._sum, self.sums[finite], self.exps[finite])
+        total.max_abs = max(total.max_abs, float(self.max_abs.max(initial=0.0)))
+        total.nan += int(self.nan.sum())
+        total.inf += int(self.inf.sum())
+        total.size += int(self.size.sum())
+
+
+def small_norms(x: np.ndarray, sizes: Sequence[int], ord: Any = 2) -> SmallNorms:
+    """The norms of small tensors whose values lie one after another in `x`, each fewer than BLOCK.
 
     The same bits as adding each tensor to an accumulator of its own, in a few NumPy passes for all of
     them: a checkpoint of 10,000 tiny tensors (a LoRA adapter) costs little more than one of their size.
     """
     p = parse_ord(ord)
-    accs = [NormAccumulator(p) for _ in sizes]
     lengths = np.asarray(sizes, np.int64)
     if (lengths >= BLOCK).any():
-        raise ValueError(f"norms_of_small takes tensors of fewer than {BLOCK} values")
-    for acc, n in zip(accs, lengths.tolist(), strict=True):
-        acc.size = acc._position = n
+        raise ValueError(f"small_norms takes tensors of fewer than {BLOCK} values")
+    n = lengths.size
+    max_abs, sums = np.zeros(n), np.zeros(n)
+    nan, inf, exps = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     present = np.flatnonzero(lengths)
-    if not present.size:
-        return accs
-    starts = (np.cumsum(lengths) - lengths)[present]
-    # Signalling NaNs are counted as NaN all the same; the sums of segments holding NaN or Inf (which may
-    # overflow) are not used.
-    with np.errstate(invalid="ignore", over="ignore"):
-        w = _widen(x.reshape(-1))[1]
-        m = np.maximum.reduceat(np.abs(w), starts)
-        finite = np.isfinite(m)
-        s, k = _segment_power_sums(w, starts, np.where(finite, m, 1.0), p)
-    for i, ok, peak, total, e in zip(
-        present.tolist(), finite.tolist(), m.tolist(), s.tolist(), k.tolist(), strict=True
-    ):
-        acc = accs[i]
-        if ok:
-            acc.max_abs = peak
-            if not math.isinf(p):
-                acc._sum.add(total, e)
-        else:  # NaN or Inf: counted one by one (rare)
+    if present.size:
+        starts = (np.cumsum(lengths) - lengths)[present]
+        # Signalling NaNs are counted as NaN all the same; the sums of segments holding NaN or Inf (which may
+        # overflow) are not used.
+        with np.errstate(invalid="ignore", over="ignore"):
+            w = _widen(x.reshape(-1))[1]
+            m = np.maximum.reduceat(np.abs(w), starts)
+            finite = np.isfinite(m)
+            sums[present], exps[present] = _segment_power_sums(w, starts, np.where(finite, m, 1.0), p)
+        max_abs[present] = m
+        for i in present[~finite].tolist():  # NaN or Inf: counted one by one (rare)
+            acc = NormAccumulator(p)
             a = int(np.sum(lengths[:i]))
             with np.errstate(invalid="ignore"):
                 acc._add_blocks(None, _widen(x.reshape(-1)[a : a + lengths[i]])[1].reshape(1, -1))
-    return accs
+            max_abs[i], nan[i], inf[i] = acc.max_abs, acc.nan, acc.inf
+    return SmallNorms(p, lengths, max_abs, nan, inf, sums, exps)
 
 
 def global_norm(t_list: Sequence[Any]) -> float:

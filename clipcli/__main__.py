@@ -9,9 +9,11 @@ from clipcli.errors import Terminated, exit_stopped, stop
 def main() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
-    # A run makes many objects that live to its end (modules, a record per tensor) and few cycles: a
-    # collection every 700 allocations cost a tenth of the imports and a fifth of reading 10,000 tiny tensors.
-    gc.set_threshold(100_000, 20, 100)
+    # A run makes many objects that live to its end (modules, a few records per tensor) and few cycles.
+    # Python collects every 700 net allocations, and each collection walks every young object: that cost a
+    # tenth of the imports; at 100,000, one collection still walked 10,000 tensors' records (14 ms).
+    # Garbage in cycles, which alone needs a collection, stays bounded by this count.
+    gc.set_threshold(300_000, 20, 100)
     try:
         from clipcli.cli import main as run  # typer and the commands: a tenth of a second
     except (KeyboardInterrupt, Terminated):

@@ -568,6 +568,7 @@ def _segment_power_sums(w: np.ndarray, starts: np.ndarray, m: np.ndarray, p: flo
     return s, k.astype(np.int64)
 
 
+@dataclass(eq=False)
 class SmallNorms:
     """The norms of small tensors measured together (`small_norms`): per-tensor NumPy arrays.
 
@@ -577,17 +578,13 @@ class SmallNorms:
     bits as those accumulators' results and merges, in a few NumPy passes for all of them.
     """
 
-    def __init__(self, p: float, size: np.ndarray, max_abs: np.ndarray, nan: np.ndarray, inf: np.ndarray,
-                 sums: np.ndarray, exps: np.ndarray) -> None:  # fmt: skip
-        self.p, self.size, self.max_abs, self.nan, self.inf, self.sums, self.exps = (
-            p,
-            size,
-            max_abs,
-            nan,
-            inf,
-            sums,
-            exps,
-        )
+    p: float
+    size: np.ndarray
+    max_abs: np.ndarray
+    nan: np.ndarray
+    inf: np.ndarray
+    sums: np.ndarray
+    exps: np.ndarray
 
     def __len__(self) -> int:
         return self.size.size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -81,6 +82,9 @@ class Entry(NamedTuple):
     nbytes: int
 
 
+_START = operator.attrgetter("start")
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) < len(pairs):
@@ -121,7 +125,7 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise MalformedError("__metadata__ must map strings to strings", path)
-    entries = sorted((_entry(path, name, info, 8 + n) for name, info in header.items()), key=lambda e: e.start)
+    entries = sorted([_entry(path, name, info, 8 + n) for name, info in header.items()], key=_START)
     end = 8 + n
     for e in entries:
         if e.start != end:
@@ -148,9 +152,10 @@ def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
 
     with open(path, "rb") as f:
         metadata, entries = read_header(path, f, os.fstat(f.fileno()).st_size)
+    file = str(path)
     return metadata, [
-        TensorInfo(e.name, e.dtype.name, e.shape, e.nbytes, str(path), e.dtype.array, location=Span(e.start))
-        for e in entries
+        TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
+        for name, d, shape, start, nbytes in entries
     ]
 
 

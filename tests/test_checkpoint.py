@@ -809,3 +809,23 @@ def test_headers_np_save_writes_read_as_ast_reads_them(dtype, shape, fortran):
     n = struct.unpack("<H", raw[8:10])[0]
     text = raw[10 : 10 + n].decode("latin1")
     assert _npy._literal(text, 1) == ast.literal_eval(text)
+
+
+@pytest.mark.parametrize("empty_first", [True, False])
+def test_an_empty_tensor_listed_anywhere_at_an_offset_of_a_nonempty_one_is_read_as_the_reference_reads_it(
+    tmp_path, empty_first
+):
+    # Found by a review: the entries were ordered by start alone, so an empty tensor listed after a
+    # non-empty one at the same offset broke the contiguity check; the reference orders by (start, end).
+    entries = {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    empty = {"e": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}
+    header = {**empty, **entries} if empty_first else {**entries, **empty}
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(raw_safetensors(header, np.arange(4, dtype=np.float32).tobytes()))
+    with safe_open(path, "np") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    with open_checkpoint(path) as ckpt:
+        got = {t.name: ckpt.read(t) for t in ckpt.tensors}
+    assert set(got) == set(want) == {"x", "e"}
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])

@@ -82,7 +82,8 @@ class Entry(NamedTuple):
     nbytes: int
 
 
-_START = operator.attrgetter("start")
+# Data order, as the reference reader sorts: by start, then end (an empty tensor before one that starts there).
+_DATA_ORDER = operator.attrgetter("start", "nbytes")
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -125,7 +126,7 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise MalformedError("__metadata__ must map strings to strings", path)
-    entries = sorted([_entry(path, name, info, 8 + n) for name, info in header.items()], key=_START)
+    entries = sorted([_entry(path, name, info, 8 + n) for name, info in header.items()], key=_DATA_ORDER)
     end = 8 + n
     for e in entries:
         if e.start != end:

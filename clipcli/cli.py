@@ -125,7 +125,7 @@ Sort = Annotated[
     SortKey | None,
     typer.Option("--sort", metavar="KEY", help="Order the rows by name, norm or size (norm and size: largest first)."),
 ]
-Ord = Annotated[str, typer.Option("--ord", metavar="P", help="The norms' order: 2, 1, inf or any p > 0.")]
+Ord = Annotated[str, typer.Option("--ord", metavar="P", help="The norms' order: 2, 1, inf or any p in (0, 1000].")]
 Depth = Annotated[
     int | None,
     typer.Option(
@@ -253,9 +253,14 @@ def _positive_finite(value: float, text: str, param: str) -> None:
 def _parse_ord(text: str) -> float:
     if text.lower() in ("inf", "infinity"):
         return math.inf
+    from clipcli.core import MAX_ORDER
+
     value = _parse_float(text, "--ord")
     if not value > 0:
         _usage(f"must be 1, 2, inf or any p > 0, got {text}", "--ord")
+    if value > MAX_ORDER:
+        message = f"orders above {MAX_ORDER:g} are not supported (for the largest magnitude: --ord inf), got {text}"
+        _usage(message, "--ord")
     return value
 
 

@@ -6,6 +6,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import ml_dtypes
@@ -74,6 +75,9 @@ _NONFINITE16 = {_BFLOAT16: 0x7F80, np.dtype(np.float16): _INF16}
 
 # Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
 _SCALE_LIMIT = 600
+# The largest finite order: a block's powers are scaled by a power of two, its largest into [0.5, 1), and
+# above 1022 that largest power would leave float64's normal range (0.5 ** 1075 is 0).
+MAX_ORDER = 1000.0
 
 # A norm over axes that include axis 0 reduces about this many values at a time, in groups of whole rows
 # (slices along axis 0) fixed by the tensor's shape: a tensor streamed in chunks of whole groups gets the
@@ -102,7 +106,7 @@ def parse_ord(ord: Any) -> float:
     Raises:
         ValueError: for any other order, as TensorFlow does.
     """
-    if type(ord) is float and ord > 0:  # the common case, first: an accumulator per tensor parses it
+    if type(ord) is float and 0 < ord <= MAX_ORDER:  # the common case, first: an accumulator per tensor parses it
         return ord
     if isinstance(ord, str):
         if ord == "euclidean":
@@ -113,6 +117,8 @@ def parse_ord(ord: Any) -> float:
     p = float(ord)
     if not p > 0:
         raise ValueError(f"'ord' must be > 0, got {ord!r}")
+    if MAX_ORDER < p < math.inf:
+        raise ValueError(f"'ord' above {MAX_ORDER:g} is not supported (the largest magnitude is ord=inf), got {ord!r}")
     return p
 
 
@@ -207,8 +213,18 @@ class _ExactSum:
             # An integer order splits the exponent exactly: (top * 2**r) ** (1/p) * 2**whole.
             whole, r = divmod(exponent, int(p))
             return float(top << r) ** (1.0 / p), whole
-        whole = math.floor(exponent / p)
-        return float(top) ** (1.0 / p) * 2.0 ** (exponent / p - whole), whole
+        if p > 1 / 16:  # top < 2**64: its root stays below 2**1024
+            whole = math.floor(exponent / p)
+            return float(top) ** (1.0 / p) * 2.0 ** (exponent / p - whole), whole
+        # A small order: the root of top * 2**-64 (in [0.5, 1)) and of 2**(exponent + 64), the exponent's
+        # part exactly, by rationals; below an order of 1/1000 the first by logarithms (its power would be 0).
+        q = Fraction(exponent + 64) / Fraction(p)
+        whole = math.floor(q)
+        f = float(top) * 2.0**-64
+        if p >= 1e-3:
+            return f ** (1.0 / p) * 2.0 ** float(q - whole), whole
+        r = math.log2(f) / p + float(q - whole)
+        return 2.0 ** (r - math.floor(r)), whole + math.floor(r)
 
 
 def _root_value(total: _ExactSum, p: float) -> float:
@@ -1005,8 +1021,8 @@ def add_power_sums(
 
 def power_sums_root(s: np.ndarray, k: np.ndarray, p: float) -> np.ndarray:
     """(s * 2**k) ** (1/p): the norms of power sums."""
-    root = np.sqrt(s) if p == 2.0 else s ** (1.0 / p)
     with np.errstate(over="ignore"):  # a norm that does not fit float64 is inf
+        root = np.sqrt(s) if p == 2.0 else s ** (1.0 / p)
         return root * np.exp2(k / p)
 
 

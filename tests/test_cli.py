@@ -782,3 +782,14 @@ def test_in_place_on_a_sharded_checkpoint(sharded):
     after = json.loads(ok("global-norm", sharded, "--format", "json").stdout)["checkpoints"][0]
     assert after["global_norm"] == c["global_norm_after"]
     assert (sharded / "model-00001-of-00002.safetensors").read_bytes() != before["model-00001-of-00002.safetensors"]
+
+
+def test_small_orders_work_and_orders_above_1000_are_a_usage_error(tmp_path):
+    src = tmp_path / "p.safetensors"
+    src.write_bytes(st_bytes({"v": np.array([3, 4], np.float32)}))
+    got = js("global-norm", src, "--ord", "0.05")["checkpoints"][0]["global_norm"]
+    assert got == pytest.approx((3**0.05 + 4**0.05) ** 20, rel=1e-12)
+    result = run("global-norm", src, "--ord", "2000")
+    assert result.exit_code == 2
+    assert "orders above 1000 are not supported (for the largest magnitude: --ord inf), got 2000" in result.output
+    assert run("diff", src, src, "--ord", "1e300").exit_code == 2

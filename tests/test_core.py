@@ -718,3 +718,26 @@ def test_small_norms_are_the_bits_of_an_accumulator_per_tensor(data, dtype, ord_
     merged = NormAccumulator(ord_)
     small.merge_into(merged)
     assert merged.result() == total.result()
+
+
+@pytest.mark.parametrize("p", ["0.001", "0.01", "0.02", "0.05", "0.07", "0.1", "0.5", "1.5", "3", "999.5", "1000"])
+@pytest.mark.parametrize("xs", [[3, 4], [3e-300, 4e-300], [1e30, 2, 5e-7], [1e300, 1e-300, 7.5]])
+def test_any_order_up_to_1000_is_right_to_1e12(p, xs):
+    # Found by a review: orders of 0.05 and below overflowed the root ((2**64) ** 20), exit 70; 1075 and
+    # above underflowed a block's powers to 0 (a norm of 0 for [3, 4]) and are refused now.
+    getcontext().prec = 60
+    exact = sum(Decimal(x) ** Decimal(p) for x in xs) ** (1 / Decimal(p))
+    got = norm(np.array(xs, np.float64), ord=float(p))
+    if exact > Decimal(sys.float_info.max):
+        assert got == math.inf
+    else:
+        assert abs(Decimal(got) - exact) <= Decimal("1e-12") * exact
+    assert norm(np.array([xs], np.float64), ord=float(p), axis=1)[0] == pytest.approx(float(exact), rel=1e-12)
+
+
+@pytest.mark.parametrize("p", [1000.5, 1075, 1e300])
+def test_orders_above_1000_are_refused(p):
+    with pytest.raises(ValueError, match="above 1000 is not supported"):
+        norm(np.array([3.0, 4.0]), ord=p)
+    with pytest.raises(ValueError, match="above 1000 is not supported"):
+        NormAccumulator(p)

@@ -1,6 +1,7 @@
 """The `clipcli` command: parse options, call the layers below, map errors to exit statuses."""
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Typer reads the commands' annotations at every run, and
+# as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
 
 import contextlib
 import math
@@ -323,7 +324,7 @@ def _progress(total: int, quiet: bool) -> Iterator[Any]:
 def _emit(
     command: str,
     p: float,
-    reports: list[CheckpointReport],
+    reports: list["CheckpointReport"],
     fmt: Format,
     quiet: bool,
     report_file: Path | None = None,
@@ -489,7 +490,7 @@ def _exceeds(what: str, value: float, gate: str, limit: str) -> str:
     return f"{what} is {value!r}, not finite ({gate} {limit})"
 
 
-def _clip(ctx: typer.Context, run: Callable[..., CheckpointReport], passes: int = 2) -> None:
+def _clip(ctx: typer.Context, run: Callable[..., "CheckpointReport"], passes: int = 2) -> None:
     """The part the clip commands share, from their parsed options (`ctx.params`, by parameter name).
 
     `passes`: how many times the command reads the checkpoint, for the progress bar.

@@ -13,10 +13,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from clipcli import commands, core
+from clipcli import commands, core, report
 from clipcli.checkpoint import open_checkpoint
 from clipcli.cli import app
 from tests.conftest import st_bytes, st_read
@@ -601,6 +603,47 @@ def test_interrupt_exits_130(grads, monkeypatch):
     monkeypatch.setattr(commands, "clip_global_norm", interrupted)
     result = run("clip-global-norm", grads, "-o", grads.parent / "o.safetensors", "--clip-norm", "1")
     assert (result.exit_code, result.stderr) == (130, "clipcli: interrupted\n")
+
+
+# --- The JSON report ----------------------------------------------------------------------------------
+
+_FLOATS = st.one_of(st.none(), st.floats(), st.sampled_from([0.0, -0.0, 5e-324, 1.7976931348623157e308]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.text(),
+    dtype=st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"]),
+    shape=st.lists(st.integers(0, 2**40), max_size=4).map(tuple),
+    figures=st.tuples(st.floats(), st.floats(), _FLOATS, _FLOATS, _FLOATS),
+    counts=st.tuples(st.integers(0, 2**63), st.integers(0, 2**63)),
+    clip=st.booleans(),
+)
+def test_a_tensor_row_is_written_as_the_encoder_writes_it(name, dtype, shape, figures, counts, clip):
+    norm, max_abs, share, norm_after, max_abs_after = figures
+    row = report.TensorRow(name, dtype, shape, 0, norm, max_abs, *counts, share, norm_after, max_abs_after)
+    num = report._num
+    fields = {"name": name, "dtype": dtype, "shape": list(shape), "norm": num(norm), "max_abs": num(max_abs),
+              "nan": counts[0], "inf": counts[1], "share": num(share)}  # fmt: skip
+    if clip:
+        fields |= {"norm_after": num(norm_after), "max_abs_after": num(max_abs_after)}
+    expected = report._COMPACT.encode(fields)
+    assert report._tensor_json(row, clip) == expected
+    assert json.loads(expected)["name"] == name
+
+
+def test_the_json_report_has_one_line_per_row_and_parses_to_every_row(tmp_path):
+    names = ["a", 'quote " and \\ backslash', "new\nline", "esc\x1b[31m", "ünï", '}, {"name": ']
+    src = write_st(tmp_path / "m.safetensors", {n: np.full(3, i, np.float32) for i, n in enumerate(names)})
+    out = ok("global-norm", src, "--format", "json").stdout
+    (c,) = json.loads(out)["checkpoints"]
+    assert sorted(t["name"] for t in c["tensors"]) == sorted(names)
+    rows = [line for line in out.splitlines() if line.lstrip().startswith('{"name": ')]
+    assert len(rows) == len(names)
+    assert [json.loads(line.strip().rstrip(","))["name"] for line in rows] == [t["name"] for t in c["tensors"]]
+    steps = write_st(tmp_path / "steps.safetensors", {"step": np.array([7])})
+    empty = json.loads(ok("global-norm", steps, "--format", "json").stdout)["checkpoints"][0]
+    assert (empty["tensors"], empty["tensor_count"], empty["skipped"][0]["name"]) == ([], 0, "step")
 
 
 # --- The table --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -47,8 +47,7 @@ class Progress:
 _NO_PROGRESS = Progress()
 
 
-@dataclass(frozen=True)
-class Selection:
+class Selection(NamedTuple):
     """Which tensors a command works on: shell-style globs on tensor names."""
 
     include: tuple[str, ...] = ()
@@ -409,8 +408,7 @@ def nonfinite_counts(nan: int, inf: int) -> str:
 # --- Clipping ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ClipJob:
+class ClipJob(NamedTuple):
     """Where a clip command writes (`output`, None with `dry_run`), how, and which rows its report shows."""
 
     output: Path | None
@@ -425,8 +423,7 @@ ChunkOp = Callable[[np.ndarray], np.ndarray]
 _ROW_GROUP = 1 << 18  # values clipped per step along rows
 
 
-@dataclass(frozen=True)
-class _Op:
+class _Op(NamedTuple):
     """What happens to one tensor's chunks; `align` keeps rows whole (or, at the size, the whole tensor)."""
 
     apply: ChunkOp

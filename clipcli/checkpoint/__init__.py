@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -365,8 +365,7 @@ class Checkpoint:
             raise MalformedError(f"corrupt zip member ({_one_line(e)})", info.file, info.name) from e
 
 
-@dataclass(frozen=True)
-class _Whole:
+class _Whole(NamedTuple):
     """A tensor's bytes read as a plain span (the storage under a strided view)."""
 
     info: TensorInfo
@@ -576,8 +575,7 @@ def _write_index(layout: Plan) -> list[Path]:
     return [layout.index]
 
 
-@dataclass(frozen=True)
-class Place:
+class Place(NamedTuple):
     """Where a tensor's bytes go in an output being written: file descriptor and offset of its first byte."""
 
     fd: int
@@ -675,8 +673,7 @@ def _directory(layout: Plan) -> Iterator[None]:
         raise
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """What writing a checkpoint makes: data files, each with its tensors in order, then an index of shards.
 
     `index_base` is the source's own index (kept, with its weight map and total size redone);

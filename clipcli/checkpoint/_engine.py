@@ -20,8 +20,7 @@ import signal
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -84,8 +83,7 @@ class Kernel(Protocol):
     def result(self) -> Any: ...
 
 
-@dataclass(frozen=True)
-class _Task:
+class _Task(NamedTuple):
     """One tensor's bytes [offset, offset + nbytes), or (`batch`) several whole tensors lying together."""
 
     tensors: tuple[int, ...]
@@ -307,8 +305,7 @@ class PairKernel(Protocol):
     def result(self) -> Any: ...
 
 
-@dataclass(frozen=True)
-class _PairTask:
+class _PairTask(NamedTuple):
     pair: int
     start: int = 0  # first element
     count: int = 0  # elements
@@ -407,8 +404,7 @@ def _equal_bytes(x: np.ndarray, y: np.ndarray) -> bool:
     return bool((x[whole:] == y[whole:]).all())
 
 
-@dataclass(frozen=True)
-class _Range:
+class _Range(NamedTuple):
     """The bytes of several tensors lying together, read as if they were one tensor's."""
 
     first: Any

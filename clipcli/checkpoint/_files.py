@@ -9,7 +9,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, NamedTuple, cast
 
 import numpy as np
 
@@ -98,8 +98,7 @@ def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:
         return f.read(n)
 
 
-@dataclass(frozen=True)
-class StoredCrc:
+class StoredCrc(NamedTuple):
     """The CRC-32 a zip directory records for a member, and the CRC-32 of the member's bytes before the data."""
 
     expected: int
@@ -107,8 +106,7 @@ class StoredCrc:
     head_length: int
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """A tensor's bytes lie contiguous in its file from byte `offset` (read with `pread`, by any worker).
 
     `crc`, where the container stores one (a stored zip member), checks them once they have all been read.
@@ -118,8 +116,7 @@ class Span:
     crc: StoredCrc | None = None
 
 
-@dataclass(frozen=True)
-class Strided:
+class Strided(NamedTuple):
     """A tensor that is a view with gaps or another order (a PyTorch slice or transpose) of bytes from
     `offset`: element i of `index` lies at `offset + itemsize * sum(index * strides)`. Read whole."""
 
@@ -128,8 +125,7 @@ class Strided:
     span: int  # the bytes from `offset` that hold all its elements, gaps included
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """A rectangular piece of a tensor (`sizes` from `offsets`), its elements in C order from `offset` of `file`.
 
     `strided`, for a piece saved as a view with gaps or another order: its strides (elements) and the
@@ -194,8 +190,7 @@ def _piece_runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[i
     return np.asarray(starts, np.int64).reshape(-1), length
 
 
-@dataclass(frozen=True)
-class ZipMember:
+class ZipMember(NamedTuple):
     """A tensor's bytes come in order from a compressed zip member, from `data_offset` on (one reader)."""
 
     member: str

@@ -10,9 +10,8 @@ import re
 import struct
 import tokenize
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -26,8 +25,7 @@ _ALIGN = 64
 _GROWTH_DIGITS = 21
 
 
-@dataclass(frozen=True)
-class NpyHeader:
+class NpyHeader(NamedTuple):
     """A parsed .npy header: the data follows at `data_offset` bytes from the start of the member.
 
     `raw` is the header as stored (magic included); `numeric` is False for types clipcli carries as bytes

@@ -8,7 +8,6 @@ import operator
 import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -22,8 +21,7 @@ MAX_HEADER = 100_000_000
 _JSON_SPACE = b" \t\r\n"
 
 
-@dataclass(frozen=True)
-class Dtype:
+class Dtype(NamedTuple):
     """A safetensors dtype: its code, its NumPy / ml_dtypes name, its bits, and an array type if any."""
 
     code: str

@@ -56,7 +56,7 @@ class Selection(NamedTuple):
     def reason_to_skip(self, t: TensorInfo, real_only: bool = False) -> str | None:
         if self.include and not any(fnmatch.fnmatchcase(t.name, g) for g in self.include):
             return "not selected by --include"
-        if any(fnmatch.fnmatchcase(t.name, g) for g in self.exclude):
+        if self.exclude and any(fnmatch.fnmatchcase(t.name, g) for g in self.exclude):
             return "excluded by --exclude"
         if t.skip is not None:
             return t.skip

@@ -67,21 +67,11 @@ DTYPES = _dtypes()
 BY_ARRAY_DTYPE = {d.array: d for d in DTYPES.values() if d.array is not None}
 
 
-class Entry(NamedTuple):
-    """One tensor of a safetensors header: its data lies at `start` (absolute) for `nbytes` bytes.
-
-    A named tuple: a header may list 10,000 tensors, and a tuple is made several times faster than a
-    frozen dataclass."""
-
-    name: str
-    dtype: Dtype
-    shape: tuple[int, ...]
-    start: int
-    nbytes: int
-
-
-# Data order, as the reference reader sorts: by start, then end (an empty tensor before one that starts there).
-_DATA_ORDER = operator.attrgetter("start", "nbytes")
+# One tensor of a header: (start, nbytes, name, dtype, shape), its data at `start` (absolute) for `nbytes`
+# bytes. A plain tuple, ordered as the reference reader sorts (by start, then end: an empty tensor before
+# one that starts there); a header may list 10,000 tensors.
+Entry = tuple[int, int, str, Dtype, tuple[int, ...]]
+_DATA_ORDER = operator.itemgetter(0, 1)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -124,20 +114,20 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise MalformedError("__metadata__ must map strings to strings", path)
-    entries = sorted([_entry(path, name, info, 8 + n) for name, info in header.items()], key=_DATA_ORDER)
+    entries = [_entry(path, name, info, 8 + n) for name, info in header.items()]
+    entries.sort(key=_DATA_ORDER)
     end = 8 + n
-    for e in entries:
-        if e.start != end:
+    for start, nbytes, name, _, _ in entries:
+        if start != end:
             raise MalformedError(
-                f"data offsets {e.start - 8 - n}..{e.start - 8 - n + e.nbytes} are not contiguous with "
+                f"data offsets {start - 8 - n}..{start - 8 - n + nbytes} are not contiguous with "
                 f"the previous tensor (expected to start at {end - 8 - n})"
                 if end > 8 + n
-                else f"data offsets {e.start - 8 - n}..{e.start - 8 - n + e.nbytes}: the first tensor's data "
-                "must start at 0",
+                else f"data offsets {start - 8 - n}..{start - 8 - n + nbytes}: the first tensor's data must start at 0",
                 path,
-                e.name,
+                name,
             )
-        end += e.nbytes
+        end += nbytes
     if end != size:
         raise MalformedError(
             f"the tensors' data ends at byte {end - 8 - n} but the file holds {size - 8 - n} bytes of data", path
@@ -154,7 +144,7 @@ def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
     file = str(path)
     return metadata, [
         TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
-        for name, d, shape, start, nbytes in entries
+        for start, nbytes, name, d, shape in entries
     ]
 
 
@@ -198,6 +188,25 @@ def _not_safetensors(path: Path, reason: str) -> Exception:
 
 
 def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
+    """A tensor's entry, checked as the reference reader checks it: this tries the common case (a well-formed
+    entry) in few steps, `_checked_entry` says what is wrong with any other."""
+    try:
+        d, shape, (begin, end) = DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        return _checked_entry(path, name, info, base)
+    if (
+        type(shape) is list
+        and type(begin) is int
+        and type(end) is int
+        and 0 <= begin <= end
+        and _counts(shape)
+        and math.prod(shape) * d.bits == 8 * (end - begin)
+    ):
+        return base + begin, end - begin, name, d, tuple(shape)
+    return _checked_entry(path, name, info, base)
+
+
+def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     if not isinstance(info, dict):
         raise MalformedError("the tensor's entry is not a JSON object", path, name)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -222,7 +231,7 @@ def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
             path,
             name,
         )
-    return Entry(name, d, tuple(shape), base + begin, end - begin)
+    return base + begin, end - begin, name, d, tuple(shape)
 
 
 def _counts(values: list[Any]) -> bool:

@@ -12,9 +12,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
-from clipcli.checkpoint import Checkpoint, open_checkpoint, save
+from clipcli.checkpoint import Checkpoint, _safetensors, open_checkpoint, save
 from clipcli.core import NormAccumulator
 from clipcli.errors import FileTypeError, MalformedError, MissingFileError, UnsupportedError, UsageError, WriteError
 from tests.conftest import first_tensor_norm_and_peak, raw_safetensors, st_bytes, st_read
@@ -829,3 +831,35 @@ def test_an_empty_tensor_listed_anywhere_at_an_offset_of_a_nonempty_one_is_read_
     assert set(got) == set(want) == {"x", "e"}
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+_JSON_VALUES = st.one_of(
+    st.integers(-3, 2**40), st.booleans(), st.floats(allow_nan=False), st.none(), st.text(max_size=3)
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    dtype=st.one_of(st.sampled_from(sorted(_safetensors.DTYPES)), _JSON_VALUES, st.lists(st.integers(), max_size=1)),
+    shape=st.one_of(st.lists(st.integers(-1, 6), max_size=3), st.lists(_JSON_VALUES, max_size=2), _JSON_VALUES),
+    offsets=st.one_of(st.lists(st.integers(-1, 400), min_size=1, max_size=3), st.lists(_JSON_VALUES, max_size=3)),
+    keys=st.sets(st.sampled_from(["dtype", "shape", "data_offsets"])),
+    extra=st.booleans(),
+    fitting=st.booleans(),
+)
+def test_an_entry_is_taken_or_refused_as_the_full_checks_say(dtype, shape, offsets, keys, extra, fitting):
+    d = _safetensors.DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if fitting and d is not None and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape):
+        bits = int(np.prod(shape, dtype=object)) * d.bits  # the offsets the shape needs (a well-formed entry)
+        offsets = [offsets[0], offsets[0] + bits // 8] if offsets and type(offsets[0]) is int else offsets
+    info: object = {k: v for k, v in (("dtype", dtype), ("shape", shape), ("data_offsets", offsets)) if k in keys}
+    if extra:
+        info = [info] if keys else "not an object"
+
+    def outcome(check):
+        try:
+            return check(Path("m.safetensors"), "t", info, 8)
+        except (MalformedError, UnsupportedError) as e:
+            return type(e), str(e)
+
+    assert outcome(_safetensors._entry) == outcome(_safetensors._checked_entry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -191,32 +192,38 @@ class _Norms:
     def batch(self, ts: list[TensorInfo], raw: np.ndarray, starts: list[int]) -> None:
         """Whole small tensors read together: runs of one native dtype, fewer than BLOCK values each, in a
         few NumPy passes for the run (`core.small_norms`, the same bits)."""
+        sizes = [t.size for t in ts]
         i = 0
         while i < len(ts):
             t = ts[i]
-            if t.stored_dtype is not None or t.size >= core.BLOCK or not core.is_floating(t.array_dtype):
+            dtype = t.array_dtype
+            if t.stored_dtype is not None or sizes[i] >= core.BLOCK or not core.is_floating(dtype):
                 self.chunk(t, 0, _values(raw, starts[i], t))
                 i += 1
                 continue
             j = i + 1
-            while j < len(ts) and _same_run(t, ts[j]):
+            while j < len(ts) and _joins(ts[j], dtype, sizes[j]):
                 j += 1
-            if starts[j - 1] + ts[j - 1].nbytes - starts[i] == sum(u.nbytes for u in ts[i:j]):
-                values = raw[starts[i] : starts[j - 1] + ts[j - 1].nbytes].view(t.array_dtype)
+            run = ts[i:j]
+            end = starts[j - 1] + ts[j - 1].nbytes
+            if end - starts[i] == sum(map(_NBYTES, run)):
+                values = raw[starts[i] : end].view(dtype)
             else:  # with gaps between them (an .npz's member headers)
                 values = np.concatenate([raw[starts[k] : starts[k] + ts[k].nbytes] for k in range(i, j)])
-                values = values.view(t.array_dtype)
-            small = core.small_norms(values, [u.size for u in ts[i:j]], self.p)
-            self.small.append(([u.name for u in ts[i:j]], small))
+                values = values.view(dtype)
+            self.small.append(([u.name for u in run], core.small_norms(values, sizes[i:j], self.p)))
             i = j
 
     def result(self) -> tuple[dict[str, core.NormAccumulator], list[tuple[list[str], core.SmallNorms]]]:
         return self.accs, self.small
 
 
-def _same_run(t: TensorInfo, u: TensorInfo) -> bool:
-    """Whether u joins t's run of small tensors for `small_norms`."""
-    return u.array_dtype == t.array_dtype and u.stored_dtype is None and u.size < core.BLOCK
+def _joins(u: TensorInfo, dtype: np.dtype, size: int) -> bool:
+    """Whether u (of `size` values) joins a run of small tensors of `dtype` for `small_norms`."""
+    return (u.array_dtype is dtype or u.array_dtype == dtype) and u.stored_dtype is None and size < core.BLOCK
+
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
@@ -289,10 +296,12 @@ def _measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: _P
             stats[t.name] = (r.norm, r.max_abs, r.nan, r.inf)
             total.merge(acc)
     g = total.result().norm
+    plain = 0 < g < math.inf and not math.isinf(p)  # `_share` is (norm / g) ** p for every finite norm
     rows = []
     for t in selected:
         norm, max_abs, nan, inf = stats[t.name]
-        rows.append(TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, _share(norm, g, p)))
+        share = (norm / g) ** p if plain and norm - norm == 0 else _share(norm, g, p)
+        rows.append(TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, share))
     return _Measured(rows, skipped, total, per_tensor)
 
 

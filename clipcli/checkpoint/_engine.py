@@ -113,22 +113,19 @@ def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[s
             tasks.append(_Task(tuple(run), batch=True))
             run.clear()
 
+    file, first, end = None, 0, 0  # the run's file, where it starts and ends
     for i, t in enumerate(tensors):
         if not reader.random_access(t):
             flush()
             tasks.append(_Task((i,), stream=True))
             continue
         if t.nbytes <= SMALL_TENSOR and t.array_dtype is not None and isinstance(t.location, Span):
-            if run:
-                first, last = tensors[run[0]], tensors[run[-1]]
-                gap = t.location.offset - (last.location.offset + last.nbytes)
-                joined = (
-                    t.file == last.file
-                    and 0 <= gap <= _GAP
-                    and t.location.offset + t.nbytes - first.location.offset <= max_bytes
-                )
-                if not joined:
-                    flush()
+            offset = t.location.offset
+            if run and not (t.file == file and 0 <= offset - end <= _GAP and offset + t.nbytes - first <= max_bytes):
+                flush()
+            if not run:
+                file, first = t.file, offset
+            end = offset + t.nbytes
             run.append(i)
             continue
         flush()

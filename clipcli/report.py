@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -363,13 +364,18 @@ def _tensor_json(t: TensorRow, clip: bool) -> str:
     repr, non-finite ones as strings, None as null (a test compares the two on arbitrary rows).
     """
     row = (
-        f'{{"name": {_string(t.name)}, "dtype": {_string(t.dtype)}, "shape": [{", ".join(map(str, t.shape))}], '
+        f'{{"name": {_string(t.name)}, "dtype": {_string(t.dtype)}, "shape": {_shape_json(t.shape)}, '
         f'"norm": {_number(t.norm)}, "max_abs": {_number(t.max_abs)}, "nan": {t.nan:d}, "inf": {t.inf:d}, '
         f'"share": {_number(t.share)}'
     )
     if clip:
         row += f', "norm_after": {_number(t.norm_after)}, "max_abs_after": {_number(t.max_abs_after)}'
     return row + "}"
+
+
+@functools.lru_cache(maxsize=1024)  # tensors share shapes: the text of each is made once
+def _shape_json(shape: tuple[int, ...]) -> str:
+    return f"[{', '.join(map(str, shape))}]"
 
 
 def _number(x: float | None) -> str:

@@ -757,7 +757,10 @@ def sums_clip_scale(s: np.ndarray, k: np.ndarray, clip_norm: float) -> np.ndarra
 
 
 def scaled(t: np.ndarray, scale: Any, out: np.ndarray | None = None) -> np.ndarray:
-    """`t * scale` rounded once to t's dtype: float32 arithmetic for <= 32-bit types, float64 for float64.
+    """`t * scale` rounded once to t's dtype, the scale taken as float32 for <= 32-bit types (float64 for float64).
+
+    16- and 8-bit floats: `float32(x) * float32(scale)` is exact in float64, and rounded once to the dtype
+    (through `_round_to_odd`), not to float32 first and then again.
 
     A scale of exactly 1.0 gives an identical copy (no ulp drift). `out` (t's dtype and shape; it may be
     `t` itself) receives the result instead of a new array.
@@ -778,22 +781,41 @@ def scaled(t: np.ndarray, scale: Any, out: np.ndarray | None = None) -> np.ndarr
         factor = scale.astype(np.float32)
         if t.dtype in (np.float32, np.complex64):
             return np.multiply(t, factor, out=out)
-        if t.dtype == np.float16 and not factor.ndim and factor >= 0 and _top16(t) < _INF16:
+        flat = t.ndim == out.ndim and t.flags.c_contiguous and out.flags.c_contiguous  # both walk as one row
+        if t.dtype == np.float16 and flat and not factor.ndim and factor >= 0 and _top16(t) < _INF16:
             return _scaled_float16(t, factor, out)
-        if factor.ndim or t.ndim != out.ndim or not (t.flags.c_contiguous and out.flags.c_contiguous):
-            np.copyto(out, t.astype(np.float32) * factor, casting="unsafe")
+        if factor.ndim or not flat:
+            product = t.astype(np.float64) * factor
+            np.copyto(out, _round_to_odd(product, np.empty(product.shape, np.float32)), casting="unsafe")
             return out
         source, target = t.reshape(-1), out.reshape(-1)
-        for start in range(0, source.size, _PIECE):  # float32 temporaries of a piece, not of the chunk
-            wide = _scratch(min(_PIECE, source.size - start), np.float32)
-            np.copyto(wide, source[start : start + _PIECE])
-            wide *= factor
-            np.copyto(target[start : start + _PIECE], wide, casting="unsafe")
+        for start in range(0, source.size, _PIECE):  # temporaries of a piece, not of the chunk
+            n = min(_PIECE, source.size - start)
+            product = _scratch(n, np.float64)
+            np.copyto(product, source[start : start + _PIECE])
+            product *= float(factor)  # exactly: at most 11 bits times 24
+            narrow = _round_to_odd(product, _scratch(n, np.float32))
+            np.copyto(target[start : start + _PIECE], narrow, casting="unsafe")
         return out
 
 
+def _round_to_odd(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """float64 `x` rounded to float32 `out` to odd: toward zero, then the last bit set where that was inexact.
+
+    Rounded so and then to nearest in a type of at most 22 bits of precision (float16, bfloat16, float8),
+    a value comes out as if rounded once, directly: the odd bit keeps what the second rounding needs to
+    know, that the value lay off the float32 grid (Boldo & Melquiond, "When double rounding is odd").
+    NaN and inf stay as they are; finite values beyond float32's range become its largest, odd, value.
+    """
+    np.copyto(out, x)  # to nearest
+    bits = out.view(np.uint32)
+    np.subtract(bits, np.abs(out) > np.abs(x), out=bits, casting="unsafe")  # back toward zero where it went away
+    np.bitwise_or(bits, out != x, out=bits, casting="unsafe")  # odd where not exact
+    return out
+
+
 def _scaled_float16(t: np.ndarray, factor: np.float32, out: np.ndarray | None) -> np.ndarray:
-    """`scaled` for finite float16 values and a factor >= 0: the float32 product, rounded once to float16.
+    """`scaled` for finite float16 values and a factor >= 0: the exact product, rounded once to float16.
 
     Bits are moved instead of NumPy's float16 casts, which take 10-50 ns per value on subnormals (most
     of a float16 gradient), and no float32 arithmetic sees a subnormal (as slow).
@@ -809,7 +831,7 @@ def _scaled_float16(t: np.ndarray, factor: np.float32, out: np.ndarray | None) -
         product *= float(factor) * 2.0**112  # t * factor, exactly
         u = _scratch(n, np.uint32)  # _float16_scaled_down's scratch, free again
         v = u.view(np.float32)
-        np.copyto(v, product)  # rounded once to float32
+        _round_to_odd(product, v)  # to float32, keeping the bit that rounds it right to float16 below
         # Round |v| to float16's grid: adding 2**(E + 13), whose ulp is float16's ulp at v's exponent E
         # (E >= -14: float16's subnormal spacing below), rounds to nearest even; the sum's bits minus the
         # addend's count float16 ulps, which are float16's bits once the exponent is added back.

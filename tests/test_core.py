@@ -542,25 +542,87 @@ def test_float16_subnormals_keep_the_fast_path_exact():
     assert norm(t, ord=np.inf) == float(np.abs(t.astype(np.float64)).max())
 
 
-def test_float16_scaling_moves_bits_exactly_as_the_float32_product_rounds():
-    # every finite float16 times factors that make ties, subnormals, overflow to inf and zeros: the bits
-    # of NumPy's float32 product rounded to float16 (which takes ~50 ns a value on subnormals)
-    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
-    x = x[np.isfinite(x)]
+def rounded_once(x: np.ndarray, factor: float, dtype: np.dtype) -> np.ndarray:
+    """Each x * factor (exact in float64) rounded to nearest, ties to even, in `dtype`: by search among all of
+    its values, not by any cast (NumPy and ml_dtypes may round through float32)."""
+    every = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint16 if dtype.itemsize == 2 else np.uint8).view(dtype)
+    with np.errstate(invalid="ignore"):  # signalling NaNs among the codes
+        positive = every[np.isfinite(every) & ~np.signbit(every)]
+    order = np.argsort(positive.astype(np.float64), kind="stable")
+    grid, codes = positive.astype(np.float64)[order], positive.view(f"u{dtype.itemsize}")[order]
+    keep = np.r_[True, grid[1:] != grid[:-1]]  # one code per value (the fnuz types have no -0)
+    grid, codes = grid[keep], codes[keep]
+    top = grid[-1]
+    beyond = 2.0 ** (math.frexp(top)[1])  # where the next binade would start: inf sits there
+    product = x.astype(np.float64) * factor
+    m = np.abs(product)
+    i = np.clip(np.searchsorted(grid, m, side="right") - 1, 0, grid.size - 1)
+    lo = grid[i]
+    hi = np.where(i + 1 < grid.size, grid[np.minimum(i + 1, grid.size - 1)], beyond)
+    mid = (lo + hi) / 2  # exact: one bit more than the type has
+    odd = (codes[i] & 1) == 1
+    up = (m > mid) | ((m == mid) & odd)
+    magnitude = np.where(up, hi, lo)
+    magnitude = np.where(magnitude == beyond, np.inf, magnitude)
+    return np.copysign(magnitude, product).astype(dtype)
+
+
+_NARROW_FLOATS = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)] + [
+    np.dtype(getattr(ml_dtypes, n)) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+]
+
+
+@pytest.mark.parametrize("dtype", _NARROW_FLOATS, ids=lambda d: d.name)
+def test_16_and_8_bit_floats_are_scaled_with_one_rounding(dtype):
+    # every finite value of the type times factors that make ties, subnormals and zeros (and, where the type
+    # has inf, overflow): the exact product rounded once to the dtype, found by search among its values.
+    # A float32 product rounded again misses it by an ulp in some (float16: -15.71875 * 0.00371093 below).
+    bits = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint16 if dtype.itemsize == 2 else np.uint8)
+    x = bits.view(dtype)
+    with np.errstate(invalid="ignore"):  # signalling NaNs among the codes
+        x = x[np.isfinite(x)]
     rng = np.random.default_rng(4)
-    factors = [0.0, 1.0 - 2.0**-24, 0.5, 2.0**-24, 2.0**-110, 2.0**-140, 1 / 3, 1e-3, 3.0, 2.0**14, 1e30]
+    factors = [0.0, 1.0 - 2.0**-24, 0.5, 2.0**-24, 2.0**-110, 2.0**-140, 1 / 3, 1e-3, 100.0 / 26945.959589829967]
     factors += [*rng.random(8), *(2.0 ** rng.uniform(-30, 0, 8))]
+    if np.isinf(np.array(np.inf).astype(dtype)):  # the type has inf: products beyond its range overflow to it
+        factors += [3.0, 2.0**14, 1e30]
     for f in factors:
-        with np.errstate(over="ignore", under="ignore"):
-            expected = (x.astype(F32) * F32(f)).astype(np.float16)
-        got = core._scaled_float16(x, F32(f), None)
-        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16), err_msg=f"factor {f}")
-    t = x[:6000].reshape(3, 2000)
-    expected = core.scaled(t.astype(np.float64), float(F32(0.3))).astype(F32).astype(np.float16)
+        expected = rounded_once(x, float(F32(f)), dtype)
+        got = core.scaled(x, f)
+        assert got.view(f"u{dtype.itemsize}").tobytes() == expected.view(f"u{dtype.itemsize}").tobytes(), f
+    t = x[: 3 * (x.size // 3)].reshape(3, -1)
+    expected = rounded_once(t, float(F32(0.3)), dtype)
     assert core.scaled(t, 0.3).tobytes() == expected.tobytes()
     same = t.copy()
     assert core.scaled(same, 0.3, out=same) is same and same.tobytes() == expected.tobytes()
-    # non-finite values, and factors below zero, go NumPy's way
+    columns = t.T  # not contiguous: the path for views
+    assert core.scaled(columns, 0.3).tobytes() == expected.T.copy().tobytes()
+
+
+def test_the_float16_that_two_roundings_missed_is_rounded_once():
+    # found by a review: the float32 product rounded again to float16 gave -0.058349609375
+    (clipped,), _ = clip_by_global_norm([np.array([-15.71875], np.float16)], 100.0, use_norm=26945.959589829967)
+    assert clipped.item() == -0.058319091796875
+    exact = Fraction(-15.71875) * Fraction(float(F32(100.0 / 26945.959589829967)))
+    neighbours = [Fraction(float(v)) for v in (np.float16(-0.058319091796875), np.float16(-0.058349609375))]
+    assert abs(neighbours[0] - exact) < abs(neighbours[1] - exact)
+
+
+def test_a_transposed_float16_tensor_is_clipped_as_its_copy():
+    # the float16 fast path once wrote into a flattened copy of a non-contiguous output: the values came back
+    # unscaled and scrambled
+    x = np.arange(12, dtype=F32).reshape(3, 4).astype(np.float16)
+    assert clip_by_norm(x.T, 1.0).tobytes() == clip_by_norm(x.T.copy(), 1.0).tobytes()
+    assert clip_by_global_norm([x.T], 1.0)[0][0].tobytes() == clip_by_global_norm([x.T.copy()], 1.0)[0][0].tobytes()
+    assert norm(clip_by_norm(x.T, 1.0)) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_float16_scaling_with_special_values_and_negative_factors():
+    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    x = x[np.isfinite(x)]
+    for f in (-0.5, -(1 / 3), -1e-3):  # the path for factors below zero: the same rounding
+        assert core.scaled(x, f).tobytes() == rounded_once(x, float(F32(f)), np.dtype(np.float16)).tobytes()
+    # non-finite values go NumPy's way (exact products here: nothing to round)
     special = np.array([np.inf, -np.inf, np.nan, 1.0, -(2.0**-20)], np.float16)
     with np.errstate(invalid="ignore"):
         for f in (0.5, -0.5, np.nan):

@@ -875,7 +875,8 @@ def clip_by_value(t: Any, clip_value_min: Any, clip_value_max: Any, out: np.ndar
     shape = np.broadcast_shapes(t.shape, lo.shape, hi.shape)
     if shape != t.shape:
         raise ValueError(f"clip bounds of shape {lo.shape} and {hi.shape} would broadcast {t.shape} to {shape}")
-    if t.dtype == np.float16 and _plain_bounds(lo, hi) and _top16(t) <= _INF16:
+    flat = t.flags.c_contiguous and (out is None or (out.flags.c_contiguous and out.ndim == t.ndim))
+    if t.dtype == np.float16 and flat and _plain_bounds(lo, hi) and _top16(t) <= _INF16:
         return _clip_float16(t, lo, hi, out)
     out = np.empty_like(t) if out is None else out  # also 0-d: NumPy would return a scalar
     with np.errstate(invalid="ignore"):  # signalling NaNs stay NaN

@@ -617,6 +617,30 @@ def test_a_transposed_float16_tensor_is_clipped_as_its_copy():
     assert norm(clip_by_norm(x.T, 1.0)) == pytest.approx(1.0, rel=1e-3)
 
 
+@pytest.mark.parametrize(
+    "dtype", [np.float16, ml_dtypes.bfloat16, F32, np.float64, ml_dtypes.float8_e4m3fn, np.int32], ids=str
+)
+def test_every_operation_gives_a_view_what_it_gives_its_copy(dtype):
+    # transposed, strided and reversed views: the fast paths walk C-contiguous memory; views take the others
+    x = (np.random.default_rng(7).standard_normal((5, 7, 3)) * 3).astype(dtype)
+    ops = [lambda a: clip_by_value(a, a.dtype.type(-1), a.dtype.type(1))]
+    if dtype != np.int32:
+        ops += [
+            lambda a: clip_by_norm(a, 1.0),
+            lambda a: clip_by_norm(a, 1.0, axes=[1]),
+            lambda a: clip_by_global_norm([a], 1.0)[0][0],
+            lambda a: np.asarray(norm(a)),
+            lambda a: np.asarray(norm(a, ord=1.5, axis=0)),
+        ]
+    for view in (x.transpose(2, 0, 1), x[:, ::2], x[::-1]):
+        for op in ops:
+            got, expected = op(view), op(view.copy())
+            assert (got.shape, got.tobytes()) == (expected.shape, expected.tobytes())
+    same = x.transpose(2, 0, 1).copy(order="F")  # an output that is not C-contiguous
+    expected = clip_by_value(same.copy(), dtype(-1), dtype(1))
+    assert clip_by_value(same, dtype(-1), dtype(1), out=same) is same and same.tobytes() == expected.tobytes()
+
+
 def test_float16_scaling_with_special_values_and_negative_factors():
     x = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     x = x[np.isfinite(x)]

@@ -192,17 +192,17 @@ class _Norms:
     def batch(self, ts: list[TensorInfo], raw: np.ndarray, starts: list[int]) -> None:
         """Whole small tensors read together: runs of one native dtype, fewer than BLOCK values each, in a
         few NumPy passes for the run (`core.small_norms`, the same bits)."""
-        sizes = [t.size for t in ts]
         i = 0
         while i < len(ts):
             t = ts[i]
             dtype = t.array_dtype
-            if t.stored_dtype is not None or sizes[i] >= core.BLOCK or not core.is_floating(dtype):
+            if t.stored_dtype is not None or t.size >= core.BLOCK or not core.is_floating(dtype):
                 self.chunk(t, 0, _values(raw, starts[i], t))
                 i += 1
                 continue
+            small = core.BLOCK * dtype.itemsize  # fewer bytes than this: fewer values than a block
             j = i + 1
-            while j < len(ts) and _joins(ts[j], dtype, sizes[j]):
+            while j < len(ts) and _joins(ts[j], dtype, small):
                 j += 1
             run = ts[i:j]
             end = starts[j - 1] + ts[j - 1].nbytes
@@ -211,16 +211,17 @@ class _Norms:
             else:  # with gaps between them (an .npz's member headers)
                 values = np.concatenate([raw[starts[k] : starts[k] + ts[k].nbytes] for k in range(i, j)])
                 values = values.view(dtype)
-            self.small.append(([u.name for u in run], core.small_norms(values, sizes[i:j], self.p)))
+            sizes = [u.nbytes // dtype.itemsize for u in run]
+            self.small.append(([u.name for u in run], core.small_norms(values, sizes, self.p)))
             i = j
 
     def result(self) -> tuple[dict[str, core.NormAccumulator], list[tuple[list[str], core.SmallNorms]]]:
         return self.accs, self.small
 
 
-def _joins(u: TensorInfo, dtype: np.dtype, size: int) -> bool:
-    """Whether u (of `size` values) joins a run of small tensors of `dtype` for `small_norms`."""
-    return (u.array_dtype is dtype or u.array_dtype == dtype) and u.stored_dtype is None and size < core.BLOCK
+def _joins(u: TensorInfo, dtype: np.dtype, small: int) -> bool:
+    """Whether u joins a run of small tensors of `dtype` (each of fewer than `small` bytes) for `small_norms`."""
+    return (u.array_dtype is dtype or u.array_dtype == dtype) and u.stored_dtype is None and u.nbytes < small
 
 
 _NBYTES = operator.attrgetter("nbytes")

@@ -253,8 +253,9 @@ class _Worker:
         self.reader.pread(ts[0] if len(ts) == 1 else _Range(ts[0], n), 0, buf)
         if len(ts) > 1:
             for t in ts:  # each tensor's own checks (a stored member's CRC-32), as its own read would make
-                at = t.location.offset - start
-                self.reader.check(t, buf[at : at + t.nbytes])
+                if t.location.crc is not None:
+                    at = t.location.offset - start
+                    self.reader.check(t, buf[at : at + t.nbytes])
         batch = getattr(kernel, "batch", None)
         if batch is not None:  # the kernel takes them all at once (the norms of many tiny tensors)
             batch(ts, buf, [t.location.offset - start for t in ts])

@@ -7,6 +7,7 @@ import functools
 import io
 import json
 import math
+import operator
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -212,20 +213,23 @@ class Report:
 
 def summarize(rows: Sequence[TensorRow], max_abs_after: float | None = None) -> Summary:
     """The summary of all selected tensors' rows."""
-    largest = max(
-        (r for r in rows if r.share is not None and not math.isnan(r.share)), key=lambda r: r.share or 0.0, default=None
-    )
+    shares = [-1.0 if r.share is None or math.isnan(r.share) else r.share for r in rows]
+    top = max(shares, default=-1.0)
+    nan, inf = sum(map(_NAN, rows)), sum(map(_INF, rows))
     return Summary(
         tensors=len(rows),
-        max_abs=max((r.max_abs for r in rows), default=0.0),
-        nan=sum(r.nan for r in rows),
-        inf=sum(r.inf for r in rows),
-        largest=largest,
+        max_abs=max(map(_MAX_ABS, rows), default=0.0),
+        nan=nan,
+        inf=inf,
+        largest=rows[shares.index(top)] if top >= 0 else None,
         max_abs_after=max_abs_after,
         elements=sum(math.prod(r.shape) for r in rows),
-        nbytes=sum(r.nbytes for r in rows),
-        nonfinite=tuple(r for r in rows if r.nan or r.inf),
+        nbytes=sum(map(_NBYTES, rows)),
+        nonfinite=tuple(r for r in rows if r.nan or r.inf) if nan or inf else (),
     )
+
+
+_NAN, _INF, _MAX_ABS, _NBYTES = (operator.attrgetter(f) for f in ("nan", "inf", "max_abs", "nbytes"))
 
 
 # --- JSON -------------------------------------------------------------------------------------------

@@ -941,8 +941,13 @@ def _bound(value: Any, dtype: np.dtype) -> np.ndarray:
         return np.clip(b, info.min, info.max).astype(dtype)
     if b.dtype.kind not in "iuf" and b.dtype not in _ML_FLOATS:
         raise TypeError(f"cannot convert a {b.dtype.name} clip bound to {dtype.name}")
-    with np.errstate(over="ignore"):  # a bound beyond the range becomes inf, which clips the same
-        return b.astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # a bound beyond the range becomes inf: it clips the same
+        bound = b.astype(dtype)
+        lost = np.isnan(bound) & ~np.isnan(b)
+    if lost.any():  # beyond the range of a type that has no inf (float8 'fn' types): NaN, which would clip every
+        top = ml_dtypes.finfo(dtype).max  # value to NaN; its largest finite value clips the same as inf would
+        bound = np.where(lost, np.where(b > 0, top, -top).astype(dtype), bound)
+    return bound
 
 
 def clip_by_norm(t: Any, clip_norm: float, axes: Any = None) -> np.ndarray:

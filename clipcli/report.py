@@ -487,7 +487,9 @@ def to_csv(report: Report) -> str:
             w.writerow(row + ([_csv_num(t.norm_after), _csv_num(t.max_abs_after)] if clip else []) + ["tensor"])
         for g in c.groups or ():
             w.writerow(
-                [c.path, g.name, "", "", _csv_num(g.norm), "", "", "", _csv_num(g.share)] + ["", ""] * clip + ["group"]
+                [printable(c.path), printable(g.name), "", "", _csv_num(g.norm), "", "", "", _csv_num(g.share)]
+                + ["", ""] * clip
+                + ["group"]
             )
         s = c.summary
         total = [printable(c.path), "", "", "", _csv_num(c.global_norm), _csv_num(s.max_abs), s.nan, s.inf, ""]

@@ -443,6 +443,10 @@ def lzma_dictionary(zipped: bytes, size: int) -> bytes:
 DUPLICATE = (
     b'{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
 )
+SURROGATE_NAME = b'{"\\ud800":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}'
+SURROGATE_NAME = struct.pack("<Q", len(SURROGATE_NAME)) + SURROGATE_NAME
+SURROGATE_METADATA = b'{"__metadata__":{"k":"\\udc80"},"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}'
+SURROGATE_METADATA = struct.pack("<Q", len(SURROGATE_METADATA)) + SURROGATE_METADATA
 OBJECT_NPY = npy_with_header("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", b"\x80\x04N.")
 MALFORMED = {
     # safetensors: the header
@@ -512,6 +516,26 @@ MALFORMED = {
         st_case({**GOOD_HEADER, "__metadata__": {"k": 1}}),
         MalformedError,
         "__metadata__ must map strings to strings",
+    ),
+    # what is not an object is refused, even when Python would take it for an empty one
+    **{
+        f"metadata-{kind}.safetensors": (
+            st_case({**GOOD_HEADER, "__metadata__": value}),
+            MalformedError,
+            "__metadata__ must map strings to strings",
+        )
+        for kind, value in (("empty-string", ""), ("zero", 0), ("false", False), ("empty-list", []))
+    },
+    # a lone surrogate escaped in JSON is no text: nothing could print or write it
+    "surrogate-name.safetensors": (
+        st_case(raw=SURROGATE_NAME + bytes(12)),
+        MalformedError,
+        "tensor '\\ud800': the tensor's name holds a lone surrogate",
+    ),
+    "surrogate-metadata.safetensors": (
+        st_case(raw=SURROGATE_METADATA + bytes(12)),
+        MalformedError,
+        "metadata 'k' holds a lone surrogate",
     ),
     # safetensors: the wrong kind of file
     "lfs.safetensors": (
@@ -863,3 +887,13 @@ def test_an_entry_is_taken_or_refused_as_the_full_checks_say(dtype, shape, offse
             return type(e), str(e)
 
     assert outcome(_safetensors._entry) == outcome(_safetensors._checked_entry)
+
+
+def test_a_surrogate_pair_is_text_and_null_metadata_is_none(tmp_path):
+    header = b'{"__metadata__":null,"\\ud83d\\ude00":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}'
+    path = tmp_path / "pair.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + np.ones(3, np.float32).tobytes())
+    with open_checkpoint(path) as ckpt:
+        assert [t.name for t in ckpt.tensors] == ["\U0001f600"] and ckpt.metadata == {}
+    with safe_open(path, "np") as f:  # the reference reader agrees on both
+        assert list(f.keys()) == ["\U0001f600"] and not f.metadata()

@@ -632,6 +632,13 @@ def test_a_tensor_row_is_written_as_the_encoder_writes_it(name, dtype, shape, fi
     assert json.loads(expected)["name"] == name
 
 
+def test_csv_escapes_names_in_every_row_the_same_way(tmp_path):
+    src = write_st(tmp_path / "m.safetensors", {"esc\x1b[31m.a": np.ones(2, np.float32), "esc\x1b[31m.b": np.ones(3)})
+    out = ok("global-norm", src, "--format", "csv", "--depth", "1").stdout
+    assert "\x1b" not in out
+    assert out.count("esc\\x1b[31m") == 3  # two tensor rows and their group's
+
+
 def test_the_json_report_has_one_line_per_row_and_parses_to_every_row(tmp_path):
     names = ["a", 'quote " and \\ backslash', "new\nline", "esc\x1b[31m", "ünï", '}, {"name": ']
     src = write_st(tmp_path / "m.safetensors", {n: np.full(3, i, np.float32) for i, n in enumerate(names)})

@@ -653,6 +653,20 @@ def test_float16_scaling_with_special_values_and_negative_factors():
             assert core.scaled(special, f).tobytes() == (special.astype(F32) * F32(f)).astype(np.float16).tobytes()
 
 
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e5m2", "float16"])
+def test_a_bound_beyond_the_types_range_clips_nothing_on_its_side(name):
+    # rounded to a type without inf, 1e6 would be NaN, and every value clipped to NaN (found by a review)
+    dtype = np.dtype(getattr(ml_dtypes, name, None) or name)
+    top = float(ml_dtypes.finfo(dtype).max)
+    x = np.array([0.5, -2, top, -top, 1], dtype)
+    with np.errstate(over="ignore"):
+        assert clip_by_value(x, -1e6, 1e6).tobytes() == x.tobytes()
+        assert clip_by_value(x, -1, 1e6).astype(np.float64).tolist() == [0.5, -1, top, -1, 1]
+        assert clip_by_value(x, np.array([-1e6, -1, -1e6, -1e6, 0]), 1e6).astype(np.float64).tolist() == [
+            0.5, -1, top, -top, 1
+        ]  # fmt: skip
+
+
 def test_float16_clip_by_value_on_integer_keys_matches_numpys_float16_comparisons():
     # every float16 value against bounds at the edges (+-0, subnormals, +-inf, lo > hi); NumPy's float16
     # minimum/maximum is the reference (and the path taken with NaN values or a -0.0 bound)

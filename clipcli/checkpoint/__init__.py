@@ -420,18 +420,18 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     try:
         if path.is_dir() and _dcp_module().is_dcp(path):
             metadata, tensors = _dcp_module().open_directory(path)
-            return Checkpoint(path, "distcp", metadata, tensors, sorted({Path(t.file) for t in tensors}))
+            return _checked_text(Checkpoint(path, "distcp", metadata, tensors, sorted({Path(t.file) for t in tensors})))
         if path.is_dir():
             index = _sharded.find_index(path)
             if index is None:
                 metadata, tensors, files = _sharded.open_directory(path)
-                return Checkpoint(path, "sharded", metadata, tensors, files)
+                return _checked_text(Checkpoint(path, "sharded", metadata, tensors, files))
             ckpt = _open_index(index)
             ckpt.path = path
-            return ckpt
+            return _checked_text(ckpt)
         kind = output_kind(path)
         if kind == "index":
-            return _open_index(path)
+            return _checked_text(_open_index(path))
         if kind == "directory":  # no suffix clipcli knows: the first bytes tell
             kind = sniff_format(read_head(path)) or ""
             if kind not in _FILE_FORMATS:
@@ -441,13 +441,40 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                     path,
                 )
         metadata, tensors = _format(kind).open_file(path)
-        return Checkpoint(path, kind, metadata, tensors, [path])
+        return _checked_text(Checkpoint(path, kind, metadata, tensors, [path]))
     except ClipcliError as e:
         if e.path is None:
             e.path = str(path)
         raise
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", path) from e
+
+
+def _checked_text(ckpt: Checkpoint) -> Checkpoint:
+    """The checkpoint, once its names and metadata are text that UTF-8 can hold.
+
+    JSON escapes (`\\ud800`) and pickles can hold a lone surrogate, which no report or output could write;
+    the reference safetensors reader refuses such a header.
+
+    Raises:
+        MalformedError: naming the tensor or metadata key.
+    """
+    for t in ckpt.tensors:
+        if not t.name.isascii() and not _is_text(t.name):
+            raise MalformedError("the tensor's name holds a lone surrogate, which is not text", ckpt.path, t.name)
+    for key, value in ckpt.metadata.items():
+        for text in (key, value):
+            if isinstance(text, str) and not text.isascii() and not _is_text(text):
+                raise MalformedError(f"metadata {key!r} holds a lone surrogate, which is not text", ckpt.path)
+    return ckpt
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _format(kind: str) -> Any:

@@ -109,7 +109,9 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         raise MalformedError(f"the header is not valid UTF-8 JSON ({_short(e)})", path) from e
     if not isinstance(header, dict):
         raise MalformedError("the header is not a JSON object", path)
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:  # absent, or null as the reference reader takes it
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):

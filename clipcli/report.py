@@ -703,7 +703,8 @@ def _checkpoint_lines(command: str, c: CheckpointReport, p: float) -> list[str]:
             cells += [share_bar(t.share), _fmt(t.max_abs)]
         rows.append([*cells, f"{t.nan:,}", f"{t.inf:,}"])
     right = (3, 4, 5, 6, 7, 8) if clip else (3, 5, 6, 7)
-    lines += table(headers, rows, right=right)
+    if rows:  # no column headings over no rows (a checkpoint of step counters)
+        lines += table(headers, rows, right=right)
     if c.groups is not None:
         lines += _group_lines(c.groups, c.group_count)
     lines += _shared_lines(c, command)

@@ -632,6 +632,12 @@ def test_a_tensor_row_is_written_as_the_encoder_writes_it(name, dtype, shape, fi
     assert json.loads(expected)["name"] == name
 
 
+def test_no_column_headings_over_no_rows(tmp_path):
+    steps = write_st(tmp_path / "steps.safetensors", {"step": np.array([7])})
+    out = ok("global-norm", steps).stdout
+    assert out.splitlines()[1:] == ["skipped step (int64): not a floating tensor"]
+
+
 def test_csv_escapes_names_in_every_row_the_same_way(tmp_path):
     src = write_st(tmp_path / "m.safetensors", {"esc\x1b[31m.a": np.ones(2, np.float32), "esc\x1b[31m.b": np.ones(3)})
     out = ok("global-norm", src, "--format", "csv", "--depth", "1").stdout

@@ -41,6 +41,9 @@ __all__ = [
 BLOCK = 1 << 13
 # Values are widened to float64 this many at a time, so temporaries stay small and in the core's cache.
 _PIECE = 16 * BLOCK
+# Pieces of 16- and 8-bit values scaled at a time: their temporaries (15 bytes a value; bfloat16: 9) near the float32
+# ones of earlier (one per value of `_PIECE`), for many workers' memory.
+_NARROW_PIECE = 8 * BLOCK
 # Pieces of pairs in `DiffAccumulator`'s fast path: twice as large, as it makes twice the NumPy calls a piece
 # (larger still is slower with two workers, whose scratch buffers then crowd the shared cache).
 _PAIR_PIECE = 32 * BLOCK
@@ -784,19 +787,49 @@ def scaled(t: np.ndarray, scale: Any, out: np.ndarray | None = None) -> np.ndarr
         flat = t.ndim == out.ndim and t.flags.c_contiguous and out.flags.c_contiguous  # both walk as one row
         if t.dtype == np.float16 and flat and not factor.ndim and factor >= 0 and _top16(t) < _INF16:
             return _scaled_float16(t, factor, out)
-        if factor.ndim or not flat:
-            product = t.astype(np.float64) * factor
-            np.copyto(out, _round_to_odd(product, np.empty(product.shape, np.float32)), casting="unsafe")
-            return out
-        source, target = t.reshape(-1), out.reshape(-1)
-        for start in range(0, source.size, _PIECE):  # temporaries of a piece, not of the chunk
-            n = min(_PIECE, source.size - start)
-            product = _scratch(n, np.float64)
-            np.copyto(product, source[start : start + _PIECE])
-            product *= float(factor)  # exactly: at most 11 bits times 24
-            narrow = _round_to_odd(product, _scratch(n, np.float32))
-            np.copyto(target[start : start + _PIECE], narrow, casting="unsafe")
+        _scaled_narrow(t, np.broadcast_to(factor, t.shape), out)
         return out
+
+
+def _scaled_narrow(t: np.ndarray, factor: np.ndarray, out: np.ndarray) -> None:
+    """`scaled` for 16- and 8-bit floats, with float32 `factor` of t's shape (a broadcast view will do).
+
+    Each product is exact in float64 (at most 11 bits times 24) and rounded once to the dtype through
+    `_round_to_odd`, in pieces of `_NARROW_PIECE` values (rows, or parts of one): temporaries stay small
+    whatever the shape and whichever axes the factors vary along.
+    """
+    if (t.size <= _NARROW_PIECE or not t.ndim) and t.dtype == _BFLOAT16:
+        _scaled_bfloat16(t, factor, out)
+    elif t.size <= _NARROW_PIECE or not t.ndim:
+        product = _scratch(t.size, np.float64, "product").reshape(t.shape)
+        np.multiply(t, factor, out=product, dtype=np.float64)
+        narrow = _round_to_odd(product, _scratch(t.size, np.float32, "narrow").reshape(t.shape))
+        np.copyto(out, narrow, casting="unsafe")
+    elif t.shape[0] == 1:  # one row longer than a piece: its parts
+        _scaled_narrow(t[0], factor[0], out[0])
+    else:
+        step = max(_NARROW_PIECE // (t.size // t.shape[0]), 1)
+        for i in range(0, t.shape[0], step):
+            _scaled_narrow(t[i : i + step], factor[i : i + step], out[i : i + step])
+
+
+def _scaled_bfloat16(t: np.ndarray, factor: np.ndarray, out: np.ndarray) -> None:
+    """`_scaled_narrow` for a piece of bfloat16: the float32 product, made exact where it matters.
+
+    Rounding the float32 product again to bfloat16 gives the once-rounded exact product, except where the
+    float32 product lies exactly halfway between two bfloat16 values (its low 16 bits are 0x8000): the
+    exact product, on one side of it, may round the other way. Only those few are rounded from the exact
+    product (`_round_to_odd`); the rest cost what the float32 product does.
+    """
+    narrow = _scratch(t.size, np.float32, "narrow").reshape(t.shape)
+    np.multiply(t, factor, out=narrow, dtype=np.float32)
+    low = np.bitwise_and(narrow.view(np.uint32), 0xFFFF, out=_scratch(t.size, np.uint32, "low").reshape(t.shape))
+    halfway = np.equal(low, 0x8000, out=_scratch(t.size, np.bool_, "halfway").reshape(t.shape))
+    if halfway.any():
+        at = np.nonzero(halfway)
+        exact = t[at].astype(np.float64) * factor[at]
+        narrow[at] = _round_to_odd(exact, np.empty(exact.size, np.float32))
+    np.copyto(out, narrow, casting="unsafe")
 
 
 def _round_to_odd(x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -808,9 +841,14 @@ def _round_to_odd(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     NaN and inf stay as they are; finite values beyond float32's range become its largest, odd, value.
     """
     np.copyto(out, x)  # to nearest
+    inexact, away, negative = (_scratch(x.size, np.bool_, k).reshape(x.shape) for k in ("inexact", "away", "neg"))
+    np.not_equal(out, x, out=inexact)
+    np.greater(out, x, out=away)  # away from zero where above a positive value or not above a negative one
+    np.not_equal(away, np.signbit(x, out=negative), out=away)
+    away &= inexact
     bits = out.view(np.uint32)
-    np.subtract(bits, np.abs(out) > np.abs(x), out=bits, casting="unsafe")  # back toward zero where it went away
-    np.bitwise_or(bits, out != x, out=bits, casting="unsafe")  # odd where not exact
+    np.subtract(bits, away, out=bits, casting="unsafe")  # toward zero
+    np.bitwise_or(bits, inexact, out=bits, casting="unsafe")  # odd where not exact
     return out
 
 

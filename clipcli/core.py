@@ -41,7 +41,7 @@ __all__ = [
 BLOCK = 1 << 13
 # Values are widened to float64 this many at a time, so temporaries stay small and in the core's cache.
 _PIECE = 16 * BLOCK
-# Pieces of 16- and 8-bit values scaled at a time: their temporaries (15 bytes a value; bfloat16: 9) near the float32
+# Pieces of 16- and 8-bit values scaled at a time, their temporaries (15 to 20 bytes a value) near the float32
 # ones of earlier (one per value of `_PIECE`), for many workers' memory.
 _NARROW_PIECE = 8 * BLOCK
 # Pieces of pairs in `DiffAccumulator`'s fast path: twice as large, as it makes twice the NumPy calls a piece
@@ -860,8 +860,8 @@ def _scaled_float16(t: np.ndarray, factor: np.float32, out: np.ndarray | None) -
     """
     result = np.empty_like(t) if out is None else out
     source, target = t.reshape(-1).view(np.uint16), result.reshape(-1).view(np.uint16)
-    for start in range(0, source.size, _PIECE):
-        bits = source[start : start + _PIECE]
+    for start in range(0, source.size, _NARROW_PIECE):
+        bits = source[start : start + _NARROW_PIECE]
         n = bits.size
         m, product, sign = _scratch(n, np.int32), _scratch(n, np.float64), _scratch(n, np.uint16)
         np.bitwise_and(bits, 0x8000, out=sign)

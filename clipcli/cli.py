@@ -321,6 +321,21 @@ def _progress(total: int, quiet: bool) -> Iterator[Any]:
         yield Bar()
 
 
+def _write(text: str, for_programs: bool) -> None:
+    """The report on stdout: JSON and CSV as UTF-8 whatever the locale (RFC 8259), the table in the
+    terminal's encoding with what it cannot show escaped (a bar, a name, under cp1252 or ASCII)."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    if for_programs and buffer is not None:
+        sys.stdout.flush()
+        buffer.write(text.encode("utf-8"))
+        buffer.flush()
+        return
+    if not for_programs and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def _emit(
     command: str,
     p: float,
@@ -341,8 +356,7 @@ def _emit(
         return
     text = render.to_json(rep) if fmt is Format.json else render.to_csv(rep) if fmt is Format.csv else None
     try:
-        sys.stdout.write(render.render_text(rep) if text is None else text)
-        sys.stdout.flush()
+        _write(render.render_text(rep) if text is None else text, for_programs=text is not None)
     except BrokenPipeError:
         raise
     except OSError as e:  # a full disk under `> norms.json`: the report, not the checkpoint, is lost

@@ -632,6 +632,26 @@ def test_a_tensor_row_is_written_as_the_encoder_writes_it(name, dtype, shape, fi
     assert json.loads(expected)["name"] == name
 
 
+@pytest.mark.parametrize("encoding", ["cp1252", "ascii"])
+def test_a_stdout_that_is_not_utf8_gets_utf8_json_and_an_escaped_table(tmp_path, encoding):
+    # a report redirected under a Windows code page or LANG=C used to end in exit 70 (the table's bars, a name)
+    names = ["ünï.\U0001f600.w", "a.b"]
+    src = write_st(tmp_path / "m.safetensors", {n: np.ones(3, np.float32) for n in names})
+    env = {**os.environ, "PYTHONIOENCODING": encoding, "NO_COLOR": "1"}
+
+    def run_cli(*args):
+        command = [sys.executable, "-m", "clipcli", "global-norm", str(src), *args]
+        done = subprocess.run(command, capture_output=True, env=env, check=False)
+        assert (done.returncode, done.stderr) == (0, b""), done.stderr
+        return done.stdout
+
+    report = json.loads(run_cli("--format", "json").decode("utf-8"))
+    assert sorted(t["name"] for t in report["checkpoints"][0]["tensors"]) == sorted(names)
+    assert "ünï" in run_cli("--format", "csv").decode("utf-8")
+    table = run_cli().decode(encoding)
+    assert "\\u2588" in table and "a.b" in table  # the bars escaped, as what the encoding cannot show
+
+
 def test_no_column_headings_over_no_rows(tmp_path):
     steps = write_st(tmp_path / "steps.safetensors", {"step": np.array([7])})
     out = ok("global-norm", steps).stdout

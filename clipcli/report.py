@@ -388,7 +388,7 @@ def _number(x: float | None) -> str:
         return "null"
     if math.isfinite(x):
         return float.__repr__(x)
-    return '"nan"' if math.isnan(x) else '"inf"' if x > 0 else '"-inf"'
+    return f'"{_num(x)}"'
 
 
 def _record(value: dict[str, Any]) -> bool:

@@ -418,36 +418,41 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             path,
         )
     try:
-        if path.is_dir() and _dcp_module().is_dcp(path):
-            metadata, tensors = _dcp_module().open_directory(path)
-            return _checked_text(Checkpoint(path, "distcp", metadata, tensors, sorted({Path(t.file) for t in tensors})))
-        if path.is_dir():
-            index = _sharded.find_index(path)
-            if index is None:
-                metadata, tensors, files = _sharded.open_directory(path)
-                return _checked_text(Checkpoint(path, "sharded", metadata, tensors, files))
-            ckpt = _open_index(index)
-            ckpt.path = path
-            return _checked_text(ckpt)
-        kind = output_kind(path)
-        if kind == "index":
-            return _checked_text(_open_index(path))
-        if kind == "directory":  # no suffix clipcli knows: the first bytes tell
-            kind = sniff_format(read_head(path)) or ""
-            if kind not in _FILE_FORMATS:
-                raise FileTypeError(
-                    "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "
-                    f".pth, .bin or .ckpt, or a directory); the file looks like {sniff(read_head(path))}",
-                    path,
-                )
-        metadata, tensors = _format(kind).open_file(path)
-        return _checked_text(Checkpoint(path, kind, metadata, tensors, [path]))
+        return _checked_text(_open(path))
     except ClipcliError as e:
         if e.path is None:
             e.path = str(path)
         raise
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", path) from e
+
+
+def _open(path: Path) -> Checkpoint:
+    """`open_checkpoint` of an existing path, by its kind: a directory, an index, a file of a format."""
+    if path.is_dir() and _dcp_module().is_dcp(path):
+        metadata, tensors = _dcp_module().open_directory(path)
+        return Checkpoint(path, "distcp", metadata, tensors, sorted({Path(t.file) for t in tensors}))
+    if path.is_dir():
+        index = _sharded.find_index(path)
+        if index is None:
+            metadata, tensors, files = _sharded.open_directory(path)
+            return Checkpoint(path, "sharded", metadata, tensors, files)
+        ckpt = _open_index(index)
+        ckpt.path = path
+        return ckpt
+    kind = output_kind(path)
+    if kind == "index":
+        return _open_index(path)
+    if kind == "directory":  # no suffix clipcli knows: the first bytes tell
+        kind = sniff_format(read_head(path)) or ""
+        if kind not in _FILE_FORMATS:
+            raise FileTypeError(
+                "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "
+                f".pth, .bin or .ckpt, or a directory); the file looks like {sniff(read_head(path))}",
+                path,
+            )
+    metadata, tensors = _format(kind).open_file(path)
+    return Checkpoint(path, kind, metadata, tensors, [path])
 
 
 def _checked_text(ckpt: Checkpoint) -> Checkpoint:

@@ -560,6 +560,7 @@ def _finish(
         tuple(m.skipped),
         global_norm_after=total_after.result().norm,
         output=None if job.output is None else str(job.output),
+        shared=shared_storages(ckpt.tensors),  # every tensor is written, the unselected as they were
         **fields,  # type: ignore[arg-type]
     )
 

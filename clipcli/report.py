@@ -645,7 +645,7 @@ def _inspect_lines(c: CheckpointReport, command: str = "inspect") -> list[str]:
         lines += [f"  metadata {printable(k)} = {printable(v)}" for k, v in (c.metadata or {}).items()]
     if len(c.listing) < s.tensors:
         lines.append(f"showing {len(c.listing):,} of {plural(s.tensors, 'tensor')}")
-    several = len(c.files) > 1 if command == "convert" else c.format in ("sharded", "distcp")
+    several = len(c.files) > 1 if command == "convert" else c.format in ("sharded", "sharded-torch", "distcp")
     headers = ["tensor", "dtype", "shape", "elements", "size"] + (["file"] if several else [])
     rows = (
         [printable(t.name), t.dtype, _shape_text(t.shape), f"{t.elements:,}", _size(t.nbytes)]
@@ -659,7 +659,7 @@ def _inspect_lines(c: CheckpointReport, command: str = "inspect") -> list[str]:
 
 
 def _shared_lines(c: CheckpointReport, command: str) -> list[str]:
-    what = "written as separate copies" if command == "convert" else "one storage in the file"
+    what = "one storage in the file" if c.output is None else "written as separate copies"
     return [f"tied: {', '.join(printable(n) for n in names)} ({what})" for names in c.shared]
 
 

@@ -210,3 +210,102 @@ def test_reading_pytorch_files_imports_no_torch():
         )
         imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
         assert "numpy" in imported and "torch" not in imported
+
+
+# -- Hugging Face PyTorch shards: pytorch_model-0000K-of-0000N.bin and pytorch_model.bin.index.json ---------
+
+SHARDED = DATA / "sharded_bin"
+SHARDED_INDEX = SHARDED / "pytorch_model.bin.index.json"
+SHARDED_WANT = json.loads((DATA / "sharded_bin.json").read_text())  # what torch read from the shards together
+
+
+def stored_shas(path: Path) -> dict[str, str]:
+    """The SHA-256 of each tensor's bytes in a .safetensors file, from its header (any dtype)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return {
+        k: hashlib.sha256(raw[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]]).hexdigest()
+        for k, v in header.items()
+    }
+
+
+@pytest.mark.parametrize("path", [SHARDED, SHARDED_INDEX], ids=["directory", "index"])
+def test_pytorch_shards_read_as_one_checkpoint_as_torch_reads_them(path):
+    want = SHARDED_WANT
+    listing = js("inspect", path)["checkpoints"][0]
+    assert listing["format"] == "sharded-torch"
+    got = {t["name"]: (t["dtype"], t["shape"]) for t in listing["tensors"]}
+    assert got == {t["name"]: (t["dtype"], t["shape"]) for t in want["tensors"]}
+    # storage keys repeat from shard to shard: only the pair torch saw on one storage is tied
+    assert listing["shared_storage"] == want["shared"]
+    norms = {t["name"]: t["norm"] for t in want["tensors"]}
+    (c,) = js("global-norm", path)["checkpoints"]
+    for row in c["tensors"]:
+        assert row["norm"] == pytest.approx(norms[row["name"]], rel=1e-13, abs=0), row["name"]
+    assert {row["name"] for row in c["tensors"]} | {s["name"] for s in c["skipped"]} == set(norms)
+
+
+def test_pytorch_shards_convert_to_safetensors_bit_for_bit(tmp_path):
+    want = {t["name"]: t["sha256"] for t in SHARDED_WANT["tensors"]}
+    merged, shards = tmp_path / "merged.safetensors", tmp_path / "shards"
+    ok("convert", SHARDED_INDEX, "-o", merged, "--quiet")
+    ok("convert", SHARDED, "-o", shards, "--max-shard-size", "300", "--quiet")
+    assert stored_shas(merged) == want
+    pieces = sorted(shards.glob("*.safetensors"))
+    assert len(pieces) > 1
+    assert {k: v for piece in pieces for k, v in stored_shas(piece).items()} == want
+    with safe_open(merged, "np") as f:  # the reference reader takes it
+        assert sorted(f.keys()) == sorted(want)
+
+
+def test_pytorch_shards_clip_to_one_file_and_are_never_written(tmp_path):
+    out = tmp_path / "clipped.safetensors"
+    (c,) = js("clip-global-norm", SHARDED_INDEX, "-o", out, "--clip-norm", "1")["checkpoints"]
+    floats = [t["norm"] for t in SHARDED_WANT["tensors"] if t["dtype"].startswith(("float", "bfloat"))]
+    g = math.sqrt(math.fsum(n * n for n in floats))
+    assert c["global_norm"] == pytest.approx(g, rel=1e-13) and c["scale"] == pytest.approx(1 / g, rel=1e-13)
+    assert c["shared_storage"] == SHARDED_WANT["shared"]  # the tied pair, written as two copies
+    after = js("global-norm", out)["checkpoints"][0]
+    assert after["global_norm"] == c["global_norm_after"] and after["shared_storage"] == []
+    assert stored_shas(out)["tied.emb.weight"] == stored_shas(out)["tied.head.weight"]
+    before = {p.name: p.read_bytes() for p in SHARDED.iterdir()}
+    for args in (
+        ["-o", tmp_path / "dir"],
+        ["-o", tmp_path / "pytorch_model.bin.index.json"],
+        ["--in-place"],
+    ):
+        for source in (SHARDED, SHARDED_INDEX):
+            result = run("clip-global-norm", source, *args, "--clip-norm", "1")
+            assert result.exit_code == 2, (source, args, result.output)
+            assert "does not write them" in result.output
+    assert not (tmp_path / "dir").exists()
+    assert {p.name: p.read_bytes() for p in SHARDED.iterdir()} == before
+
+
+def test_a_directory_with_both_kinds_of_shards_reads_the_safetensors(tmp_path):
+    for p in SHARDED.iterdir():
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    st = tmp_path / "model.safetensors"
+    ok("convert", SHARDED_INDEX, "-o", st, "--quiet")
+    (c,) = js("inspect", tmp_path)["checkpoints"]
+    assert c["format"] == "sharded" and {t["file"] for t in c["tensors"]} == {str(st)}
+    st.unlink()
+    assert js("inspect", tmp_path)["checkpoints"][0]["format"] == "sharded-torch"
+
+
+def test_a_pytorch_index_that_disagrees_with_its_shards_is_refused(tmp_path):
+    for p in SHARDED.iterdir():
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    index_path = tmp_path / SHARDED_INDEX.name
+    index = json.loads(index_path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"]["not.in.any.shard"] = index["weight_map"][name]
+    index_path.write_text(json.dumps(index))
+    result = run("global-norm", tmp_path)
+    assert result.exit_code == 3 and "not.in.any.shard" in result.output
+    index["weight_map"] = {name: "../outside.bin"}
+    index_path.write_text(json.dumps(index))
+    result = run("inspect", index_path)
+    assert result.exit_code == 3 and "leaves the checkpoint's directory" in result.output

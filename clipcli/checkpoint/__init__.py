@@ -124,10 +124,12 @@ def numpy_tensor(name: str, header: _npy.NpyHeader, path: Path, location: Any, c
 
 
 def output_kind(path: Path) -> str:
-    """The format a path names: 'safetensors', 'npz', 'npy', 'index' or 'directory'."""
+    """The format a path names: 'safetensors', 'npz', 'npy', 'torch', 'index', 'torch-index' or 'directory'."""
     name = path.name
     if name.endswith(INDEX_SUFFIX):
         return "index"
+    if name.endswith(_sharded.TORCH_INDEX_SUFFIXES):
+        return "torch-index"
     for kind, (_, suffixes) in _FILE_FORMATS.items():
         if name.endswith(suffixes):
             return kind
@@ -433,22 +435,30 @@ def _open(path: Path) -> Checkpoint:
         metadata, tensors = _dcp_module().open_directory(path)
         return Checkpoint(path, "distcp", metadata, tensors, sorted({Path(t.file) for t in tensors}))
     if path.is_dir():
+        # safetensors first (an index, then shards without one), then PyTorch shards' index: Hugging Face
+        # repositories often hold both kinds of the same weights
         index = _sharded.find_index(path)
+        if index is None and not any(path.glob("*.safetensors")):
+            index = _sharded.find_index(path, _sharded.TORCH_INDEX_SUFFIXES)
         if index is None:
             metadata, tensors, files = _sharded.open_directory(path)
             return Checkpoint(path, "sharded", metadata, tensors, files)
-        ckpt = _open_index(index)
+        ckpt = _open(index)
         ckpt.path = path
         return ckpt
     kind = output_kind(path)
-    if kind == "index":
-        return _open_index(path)
+    if kind in ("index", "torch-index"):
+        torch = kind == "torch-index"
+        opener = _format("torch").open_file if torch else _safetensors.open_file
+        metadata, tensors, files, index = _sharded.open_index(path, opener)
+        return Checkpoint(path, "sharded-torch" if torch else "sharded", metadata, tensors, files, index, path)
     if kind == "directory":  # no suffix clipcli knows: the first bytes tell
         kind = sniff_format(read_head(path)) or ""
         if kind not in _FILE_FORMATS:
             raise FileTypeError(
                 "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "
-                f".pth, .bin or .ckpt, or a directory); the file looks like {sniff(read_head(path))}",
+                f".pth, .bin, .ckpt or pytorch_model.bin.index.json, or a directory); the file looks like "
+                f"{sniff(read_head(path))}",
                 path,
             )
     metadata, tensors = _format(kind).open_file(path)
@@ -494,11 +504,6 @@ def _dcp_module() -> Any:
     return _dcp
 
 
-def _open_index(path: Path) -> Checkpoint:
-    metadata, tensors, files, index = _sharded.open_index(path)
-    return Checkpoint(path, "sharded", metadata, tensors, files, index, path)
-
-
 def check_output(
     text: str | os.PathLike[str],
     source: Checkpoint,
@@ -512,9 +517,9 @@ def check_output(
     `resharding`) is an existing directory, a path ending in a slash, or a name without a suffix.
 
     Raises:
-        UsageError: for '-', an unknown suffix, a PyTorch file or distributed checkpoint (never
-            written), an existing file that is no checkpoint file, or a directory output for a source
-            that is not sharded.
+        UsageError: for '-', an unknown suffix, a PyTorch file, PyTorch shards or a distributed checkpoint
+            (never written), an existing file that is no checkpoint file, or a directory output for a
+            source that is not sharded safetensors.
     """
     raw = os.fspath(text)
     out = Path(raw)
@@ -525,7 +530,9 @@ def check_output(
     )
     if raw == "-":
         raise UsageError(f"clipcli writes files, not standard output; {hint}", raw, param)
-    if output_kind(out) not in (*_WRITABLE, "index", "directory") or (out == source.path and source.format == "distcp"):
+    if output_kind(out) not in (*_WRITABLE, "index", "directory") or (
+        out == source.path and source.format in ("distcp", "sharded-torch")
+    ):
         raise UsageError(f"clipcli reads PyTorch files but does not write them; {hint}", raw, param)
     if output_kind(out) == "directory" and not (out == source.path and source.format == "sharded"):
         if out.suffix and not raw.endswith(("/", os.sep)) and not out.is_dir():
@@ -536,6 +543,9 @@ def check_output(
             raise UsageError(f"exists and is not a directory; {hint}", raw, param)
         if source.format != "sharded" and not resharding:
             more = " (or --max-shard-size)" if command == "convert" else ""
+            if source.format == "sharded-torch":
+                shards = "clipcli convert --max-shard-size writes them as .safetensors shards"
+                raise UsageError(f"clipcli reads PyTorch shards but does not write them; {hint} ({shards})", raw, param)
             raise UsageError(f"a directory output needs a sharded input{more}; {hint}", raw, param)
     return out
 

@@ -1,9 +1,11 @@
-"""Sharded safetensors: a Hugging Face `*.safetensors.index.json` (its `weight_map`), or a directory of shards."""
+"""Sharded checkpoints: a Hugging Face index (`*.safetensors.index.json`, or `pytorch_model.bin.index.json` for
+PyTorch shards) and its `weight_map`, or a directory of shards."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -11,10 +13,19 @@ from clipcli.checkpoint import _safetensors
 from clipcli.errors import InputError, MalformedError, MissingFileError
 
 INDEX_SUFFIX = ".safetensors.index.json"
+# PyTorch shards' indexes, as transformers names them (pytorch_model.bin.index.json): read, never written
+TORCH_INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
+
+OpenFile = Callable[[Path], tuple[dict[str, str], list[Any]]]
 
 
-def open_index(path: Path) -> tuple[dict[str, str], list[Any], list[Path], dict[str, Any]]:
-    """The metadata, tensors, shard files and index of a sharded checkpoint, from the index and headers."""
+def open_index(
+    path: Path, open_file: OpenFile = _safetensors.open_file
+) -> tuple[dict[str, str], list[Any], list[Path], dict[str, Any]]:
+    """The metadata, tensors, shard files and index of a sharded checkpoint, from the index and headers.
+
+    `open_file` reads a shard's metadata and tensors (safetensors' by default).
+    """
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -34,7 +45,7 @@ def open_index(path: Path) -> tuple[dict[str, str], list[Any], list[Path], dict[
         shard_path = path.parent / shard
         if not shard_path.is_file():
             raise MissingFileError(f"shard {shard} named by the index does not exist", path)
-        shard_meta, shard_tensors = _safetensors.open_file(shard_path)
+        shard_meta, shard_tensors = open_file(shard_path)
         metadata = metadata or shard_meta
         for t in shard_tensors:
             if weight_map.get(t.name) != shard:
@@ -46,13 +57,13 @@ def open_index(path: Path) -> tuple[dict[str, str], list[Any], list[Path], dict[
     return metadata, tensors, [path.parent / s for s in shards], index
 
 
-def find_index(directory: Path) -> Path | None:
-    """The one index file of a directory of shards, if it has one.
+def find_index(directory: Path, suffixes: tuple[str, ...] = (INDEX_SUFFIX,)) -> Path | None:
+    """The one index file (a name ending in one of `suffixes`) of a directory of shards, if it has one.
 
     Raises:
         InputError: when it holds several.
     """
-    indexes = sorted(directory.glob("*" + INDEX_SUFFIX))
+    indexes = sorted(p for p in directory.iterdir() if p.name.endswith(suffixes) and p.is_file())
     if len(indexes) > 1:
         raise InputError(f"the directory holds {len(indexes)} index files; name one", directory)
     return indexes[0] if indexes else None
@@ -63,8 +74,8 @@ def open_directory(directory: Path) -> tuple[dict[str, str], list[Any], list[Pat
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise MissingFileError(
-            "the directory holds no .safetensors files, no *.safetensors.index.json and no distributed checkpoint "
-            "(.metadata); name a file in it",
+            "the directory holds no .safetensors files, no *.safetensors.index.json, no pytorch_model.bin.index.json "
+            "and no distributed checkpoint (.metadata); name a file in it",
             directory,
         )
     tensors: list[Any] = []

@@ -604,7 +604,8 @@ def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[
     from clipcli.checkpoint import TensorInfo
 
     metadata, tensors = read_torch(path, start, end)
-    shared = {name: key for key, names in shared_storages(tensors).items() for name in names}
+    # a storage is known by its file and key: shards of one checkpoint each have their own keys
+    shared = {name: f"{path}:{key}" for key, names in shared_storages(tensors).items() for name in names}
     out = []
     for t in tensors:
         dtype = t.dtype if t.skip_reason is None else None

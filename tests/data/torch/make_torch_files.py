@@ -4,7 +4,8 @@ Run with an interpreter that has torch (the tests never need it):
 
     /work/torchenv/bin/python tests/data/torch/make_torch_files.py [FILE ...]
 
-Naming files writes only those (`distcp`: the distributed checkpoint); the JSON beside every file is
+Naming files writes only those (`distcp`: the distributed checkpoint; `sharded_bin`: Hugging Face PyTorch
+shards, which needs huggingface_hub too); the JSON beside every file is
 rewritten either way. The zip files come out the same byte for byte each time; the legacy ones and the
 distributed checkpoint do not (storage keys are memory addresses; the metadata holds a save id).
 
@@ -355,6 +356,29 @@ def distributed_checkpoint() -> None:
     (HERE / "distcp.json").write_text(text)
 
 
+def sharded_bin() -> None:
+    """Hugging Face's PyTorch shards (`pytorch_model-0000K-of-0000N.bin` and `pytorch_model.bin.index.json`),
+    written by huggingface_hub's writer (what transformers' `save_pretrained(safe_serialization=False)` used),
+    and in `sharded_bin.json` what torch reads from the shards together. Storage keys repeat from shard to
+    shard; a tied pair shares a shard."""
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    state = {k: v for k, v in model_state().items() if not v.is_complex()}  # all of it writable as safetensors
+    torch.manual_seed(5)
+    state.update({f"tied.{k}": v for k, v in Tied().state_dict().items()})
+    out = HERE / "sharded_bin"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    save_torch_state_dict(state, out, safe_serialization=False, max_shard_size=400)
+    merged = {}
+    for shard in sorted(out.glob("*.bin")):
+        merged.update(torch.load(shard, weights_only=True))
+    result = expected(merged, "sharded_bin")
+    (HERE / "sharded_bin.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+
+
 def main() -> None:
     model, opt = trained()
     files = {
@@ -387,6 +411,8 @@ def main() -> None:
     (HERE / "little.pt").unlink()
     if not only or "distcp" in only:  # its .metadata differs each time (a save id)
         distributed_checkpoint()
+    if not only or "sharded_bin" in only:
+        sharded_bin()
     for path in sorted(HERE.iterdir()):
         if path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
             # torch's weights-only unpickler knows no FRAME opcode (protocol 4+); these files are our own

@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
 from clipcli.checkpoint import CHUNK_BYTES, MAX_LZMA_DICTIONARY, open_checkpoint
 from clipcli.core import NormAccumulator
@@ -165,7 +166,7 @@ def header_mutations(draw, data: bytes) -> bytes:
     (n,) = struct.unpack("<Q", data[:8])
     header, body = json.loads(data[8 : 8 + n]), data[8 + n :]
     names = [k for k in header if k != "__metadata__"]
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(0, 3))):  # none: the style alone (a -0, a duplicate, padding)
         name = draw(st.sampled_from(names))
         field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "whole", "metadata", "extra"]))
         if not isinstance(header[name], dict):
@@ -174,7 +175,10 @@ def header_mutations(draw, data: bytes) -> bytes:
             header[name]["dtype"] = draw(st.sampled_from(DTYPE_NAMES) | st.text(max_size=6))
         elif field == "shape":
             header[name]["shape"] = draw(
-                st.lists(st.integers(-2, 2**62) | st.sampled_from([0, 1, 3, 2**40]), max_size=5) | json_values
+                st.lists(
+                    st.integers(-2, 2**62) | st.sampled_from([0, 1, 3, 2**32, 2**40, 2**64 - 1, 2**64]), max_size=5
+                )
+                | json_values
             )
         elif field == "data_offsets":
             header[name]["data_offsets"] = draw(st.lists(st.integers(-1, 2**64), max_size=3) | json_values)
@@ -185,7 +189,7 @@ def header_mutations(draw, data: bytes) -> bytes:
         else:
             header[draw(st.text(max_size=5))] = draw(json_values)
     raw = json.dumps(header).encode()
-    style = draw(st.sampled_from(["plain", "deep", "duplicate", "padded", "bad-length"]))
+    style = draw(st.sampled_from(["plain", "deep", "duplicate", "padded", "bad-length", "minus-zero"]))
     if style == "deep":
         depth = draw(st.integers(1, 100_000))
         raw = raw[:-1] + b', "deep": ' + b"[" * depth + b"]" * draw(st.integers(0, depth)) + b"}"
@@ -196,6 +200,10 @@ def header_mutations(draw, data: bytes) -> bytes:
         )
     elif style == "padded":
         raw += b" " * draw(st.integers(0, 9))
+    elif style == "minus-zero":  # JSON's -0, which json.dumps never writes: an integer to Python, a float to Rust
+        raw = raw.replace(
+            draw(st.sampled_from([b"[0", b" 0]", b" 0,"])), draw(st.sampled_from([b"[-0", b" -0]", b" -0,"]))
+        )
     length = len(raw) if style != "bad-length" else draw(st.integers(0, len(raw) + 100))
     if draw(st.booleans()):
         body = body + draw(st.binary(max_size=64)) if draw(st.booleans()) else body[: draw(st.integers(0, len(body)))]
@@ -244,6 +252,27 @@ def test_fuzz_safetensors_bytes(tmp_path, data, base):
 @given(data=st.data(), base=st.sampled_from(base_safetensors()))
 def test_fuzz_safetensors_header(tmp_path, data, base):
     check(tmp_path, ".safetensors", data.draw(header_mutations(base)))
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(base_safetensors()))
+def test_fuzz_safetensors_header_is_taken_exactly_when_the_reference_reader_takes_it(tmp_path, data, base):
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(data.draw(header_mutations(base)))
+    try:
+        with safe_open(path, "np") as f:
+            reference = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (no dict)
+    except Exception as e:  # the reference reader's own errors (SafetensorError and others)
+        reference = f"refused: {e}"
+    try:
+        with open_checkpoint(path) as ckpt:
+            ours = {t.name: t.shape for t in ckpt.tensors}
+    except ClipcliError as e:
+        ours = f"refused: {e}"
+    if isinstance(reference, dict) and isinstance(ours, dict):
+        assert ours == reference
+    elif not (isinstance(ours, str) and "duplicate key" in ours):  # refused by choice (README, "Choices")
+        assert isinstance(reference, str) and isinstance(ours, str), (reference, ours)
 
 
 @FUZZ

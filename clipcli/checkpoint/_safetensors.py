@@ -102,7 +102,10 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     if raw.lstrip(_JSON_SPACE)[:1] != b"{":  # the reference reader takes JSON whitespace before it
         raise _not_safetensors(path, "the header does not start with '{'")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
+        # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
+        ints = {"parse_int": _json_int} if b"-0" in raw else {}
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, **ints)
     except MalformedError as e:
         raise MalformedError(e.message, path) from e
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -200,7 +203,7 @@ def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
         type(shape) is list
         and type(begin) is int
         and type(end) is int
-        and 0 <= begin <= end
+        and 0 <= begin < end  # data, so no dimension is 0 and none overflows (see `_checked_entry`)
         and _counts(shape)
         and math.prod(shape) * d.bits == 8 * (end - begin)
     ):
@@ -217,13 +220,18 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     if dtype not in DTYPES:
         raise UnsupportedError(f"unknown dtype {dtype!r}", path, name)
     if type(shape) is not list or not _counts(shape):
-        raise MalformedError(f"'shape' must be a list of non-negative integers, got {json.dumps(shape)}", path, name)
+        raise MalformedError(f"'shape' must be a list of unsigned 64-bit integers, got {json.dumps(shape)}", path, name)
     if not (type(offsets) is list and len(offsets) == 2 and _counts(offsets)):
-        raise MalformedError(f"'data_offsets' must be two non-negative integers, got {json.dumps(offsets)}", path, name)
+        got = json.dumps(offsets)
+        raise MalformedError(f"'data_offsets' must be two unsigned 64-bit integers, got {got}", path, name)
     begin, end = offsets
     if end < begin:
         raise MalformedError(f"data offsets {begin}..{end} end before they begin", path, name)
     d = DTYPES[dtype]
+    if _overflows(shape, d.bits):
+        raise MalformedError(
+            f"shape {tuple(shape)} of {dtype} overflows 64 bits, as the reference reader counts it", path, name
+        )
     bits = math.prod(shape) * d.bits
     if bits % 8 or bits // 8 != end - begin:
         raise MalformedError(
@@ -237,11 +245,30 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
 
 
 def _counts(values: list[Any]) -> bool:
-    """Whether every value is a non-negative int (JSON's integers; not a bool, not a float)."""
+    """Whether every value is an unsigned 64-bit int (JSON's integers; not a bool, not a float)."""
     for x in values:  # noqa: SIM110 - a loop is twice as fast as all() over a generator (twice per tensor)
-        if type(x) is not int or x < 0:
+        if type(x) is not int or not 0 <= x < _U64:
             return False
     return True
+
+
+_U64 = 1 << 64
+
+
+def _overflows(shape: list[int], bits: int) -> bool:
+    """Whether the element count, multiplied out left to right, or its bits pass 64 bits on the way: the
+    reference reader refuses such a shape even when a later 0 makes it empty."""
+    n = 1
+    for x in shape:
+        n *= x
+        if n >= _U64:
+            return True
+    return n * bits >= _U64
+
+
+def _json_int(text: str) -> int | float:
+    """A JSON integer as the reference reader takes it: "-0" is a float there (-0.0), not an unsigned int."""
+    return -0.0 if text == "-0" else int(text)
 
 
 def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:

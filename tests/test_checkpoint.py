@@ -889,6 +889,23 @@ def test_zero_size_and_negative_zero_entries_are_taken_as_the_reference_reader_t
             assert {t.name: t.shape for t in ckpt.tensors} == want
 
 
+def test_an_npy_shape_numpy_cannot_hold_is_refused_even_when_empty(tmp_path):
+    # Found by the differential fuzz test against np.load and pinned: (0, 1161, 1986083556600943) was read
+    # as an empty tensor, and written back into .npy files NumPy cannot load.
+    text = b"{'descr': '<f4', 'fortran_order': False, 'shape': (0, 1161, 1986083556600943), }"
+    text += b" " * (117 - len(text)) + b"\n"
+    path = tmp_path / "z.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text)
+    with pytest.raises(ValueError):
+        np.load(path)
+    with pytest.raises(MalformedError, match="larger than any array NumPy can hold"):
+        open_checkpoint(path)
+    fits = text.replace(b"1986083556600943", b"1986083556600".ljust(16))  # 0 x 1161 x 2e12 floats: NumPy holds it
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(fits)) + fits)
+    with open_checkpoint(path) as ckpt:
+        assert ckpt.tensors[0].shape == np.load(path).shape == (0, 1161, 1986083556600)
+
+
 _JSON_VALUES = st.one_of(
     st.integers(-3, 2**40), st.booleans(), st.floats(allow_nan=False), st.none(), st.text(max_size=3)
 )

@@ -16,6 +16,7 @@ import json
 import os
 import struct
 import tracemalloc
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -273,6 +274,34 @@ def test_fuzz_safetensors_header_is_taken_exactly_when_the_reference_reader_take
         assert ours == reference
     elif not (isinstance(ours, str) and "duplicate key" in ours):  # refused by choice (README, "Choices")
         assert isinstance(reference, str) and isinstance(ours, str), (reference, ours)
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(BASE_NPY), header=st.booleans())
+def test_fuzz_npy_is_read_as_numpy_reads_it_or_refused(tmp_path, data, base, header):
+    """What np.load refuses, clipcli refuses; what both read has the same shape and values. clipcli is
+    stricter on two points (README, "Hostile input"): bytes after the data, and a raw-bytes dtype."""
+    path = tmp_path / "fuzz.npy"
+    path.write_bytes(data.draw(npy_header_mutations(base) if header else byte_mutations(base)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NumPy's own overflow warnings on wild shapes
+            want = np.load(path, allow_pickle=False)
+    except Exception:  # NumPy's ValueError, EOFError, OverflowError, ...
+        want = None
+    try:
+        with open_checkpoint(path) as ckpt:
+            (t,) = ckpt.tensors
+            got = ckpt.read(t) if t.array_dtype is not None else None
+            shape = t.shape
+    except ClipcliError as e:
+        assert want is None or "the file holds" in str(e) or "raw bytes" in str(e), str(e)
+        return
+    assert want is not None, shape
+    assert shape == want.shape
+    if got is not None:
+        native = np.ascontiguousarray(want, dtype=want.dtype.newbyteorder("="))  # clipcli reads in native order
+        assert got.dtype == native.dtype and got.tobytes() == native.tobytes()
 
 
 @FUZZ

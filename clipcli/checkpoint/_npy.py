@@ -99,6 +99,9 @@ def read_npy_header(f: BinaryIO, head: bytes = b"") -> NpyHeader:
     if not isinstance(fortran, bool):
         raise MalformedError(f"'fortran_order' must be True or False, got {fortran!r}")
     dtype = _descr_dtype(descr)
+    if math.prod(x for x in shape if x) * max(dtype.itemsize, 1) >= _MAX_BYTES:
+        # NumPy's own limit, which it applies to the axes that are not 0 even when one is (np.load refuses)
+        raise MalformedError(f"shape {shape} of {dtype.name} is larger than any array NumPy can hold")
     offset = 8 + len(size_bytes) + n
     return NpyHeader(dtype, shape, fortran, offset, prefix + size_bytes + raw, is_numeric(dtype))
 
@@ -162,6 +165,9 @@ def type_name(dtype: np.dtype) -> str:
     if dtype.names is not None:
         return "structured"
     return dtype.str.lstrip("<>=|") if dtype.kind in "SUa" else dtype.name
+
+
+_MAX_BYTES = 1 << 63  # an array's size in bytes must fit NumPy's intp
 
 
 def npy_header(dtype: np.dtype, shape: tuple[int, ...], fortran_order: bool = False) -> bytes:

@@ -95,7 +95,8 @@ Checkpoints = Annotated[
     typer.Argument(
         metavar="CKPT...",
         help="Checkpoints: .safetensors, .npz, .npy or PyTorch (.pt, .pth, .bin, .ckpt) files, sharded indexes "
-        "(*.safetensors.index.json), or directories (shards, or a torch.distributed.checkpoint).",
+        "(*.safetensors.index.json, pytorch_model.bin.index.json), or directories (shards, or a "
+        "torch.distributed.checkpoint).",
         show_default=False,
     ),
 ]
@@ -148,7 +149,7 @@ Output = Annotated[
         "-o",
         metavar="OUT",
         help="Where to write: a .safetensors/.npz/.npy file (the suffix "
-        "picks the format) or, for a sharded input, a directory.",
+        "picks the format) or, for sharded safetensors, a directory.",
     ),
 ]
 InPlace = Annotated[bool, typer.Option("--in-place", help="Replace the input (atomically) instead of -o.")]

@@ -946,3 +946,11 @@ def test_a_surrogate_pair_is_text_and_null_metadata_is_none(tmp_path):
         assert [t.name for t in ckpt.tensors] == ["\U0001f600"] and ckpt.metadata == {}
     with safe_open(path, "np") as f:  # the reference reader agrees on both
         assert list(f.keys()) == ["\U0001f600"] and not f.metadata()
+
+
+def test_metadata_of_every_shard_is_kept(tmp_path):
+    # found by a review: only the first shard's metadata was kept
+    (tmp_path / "a.safetensors").write_bytes(st_bytes({"x": np.ones(2, np.float32)}, {"format": "pt", "step": "1"}))
+    (tmp_path / "b.safetensors").write_bytes(st_bytes({"y": np.ones(2, np.float32)}, {"format": "pt", "lr": "0.1"}))
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.metadata == {"format": "pt", "step": "1", "lr": "0.1"}

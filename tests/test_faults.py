@@ -379,3 +379,31 @@ def test_symlinked_output_and_in_place(files, tmp_path):
     # An output that is a link to the input is the input: refused.
     done = clipcli("clip-global-norm", target, "-o", alias, "--clip-norm", "0.1")
     assert done.returncode == 4 and "refusing to overwrite the input" in done.stderr
+
+
+def test_hundreds_of_shards_are_read_within_a_small_open_files_limit(tmp_path):
+    # Found by a review: every shard stayed open, so 600 shards under `ulimit -n 64` (or a diff of two
+    # checkpoints of 130 shards under macOS's 256) failed with "Too many open files".
+    rng = np.random.default_rng(5)
+    sides = {}
+    for side in ("a", "b"):
+        directory = tmp_path / side
+        directory.mkdir()
+        for i in range(150):
+            values = rng.standard_normal(3).astype(np.float32)
+            (directory / f"model-{i:05d}.safetensors").write_bytes(st_bytes({f"t{i}": values}))
+            sides.setdefault(side, []).append(values)
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96)); "
+    code = limit + "import sys; from clipcli.cli import main; sys.argv[0] = 'clipcli'; main()"
+    for args in (["global-norm", tmp_path / "a", "--jobs", "2"], ["diff", tmp_path / "a", tmp_path / "b"]):
+        result = subprocess.run(
+            [sys.executable, "-c", code, *map(str, args), "--format", "json"], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        if args[0] == "global-norm":
+            want = np.sqrt(sum(float(np.dot(v.astype(np.float64), v.astype(np.float64))) for v in sides["a"]))
+            assert out["checkpoints"][0]["global_norm"] == pytest.approx(want, rel=1e-12)
+        else:
+            d = np.concatenate(sides["a"]).astype(np.float64) - np.concatenate(sides["b"]).astype(np.float64)
+            assert out["diff_norm"] == pytest.approx(float(np.sqrt(np.dot(d, d))), rel=1e-12)

@@ -284,15 +284,33 @@ def test_pytorch_shards_clip_to_one_file_and_are_never_written(tmp_path):
     assert {p.name: p.read_bytes() for p in SHARDED.iterdir()} == before
 
 
-def test_a_directory_with_both_kinds_of_shards_reads_the_safetensors(tmp_path):
+def test_a_directory_with_both_kinds_of_shards_reads_the_safetensors_and_loose_files_never_win(tmp_path):
     for p in SHARDED.iterdir():
         (tmp_path / p.name).write_bytes(p.read_bytes())
-    st = tmp_path / "model.safetensors"
-    ok("convert", SHARDED_INDEX, "-o", st, "--quiet")
-    (c,) = js("inspect", tmp_path)["checkpoints"]
-    assert c["format"] == "sharded" and {t["file"] for t in c["tensors"]} == {str(st)}
-    st.unlink()
+    # a Hugging Face repository converted beside itself (found by a review: refused when the directory was
+    # named, taken when the index was), then read through the safetensors index
+    for source in (tmp_path, tmp_path / SHARDED_INDEX.name):
+        ok("convert", source, "-o", tmp_path, "--max-shard-size", "300", "--quiet")
+        (c,) = js("inspect", tmp_path)["checkpoints"]
+        assert c["format"] == "sharded" and len({t["file"] for t in c["tensors"]}) > 1
+        assert {t["name"] for t in c["tensors"]} == {t["name"] for t in SHARDED_WANT["tensors"]}
+        for p in tmp_path.glob("model*"):
+            p.unlink()
+    # a stray .safetensors beside PyTorch shards (found by a review: it was read instead, and a gate passed)
+    (tmp_path / "adapter_model.safetensors").write_bytes(
+        (DATA.parent.parent.parent / "samples" / "grads.safetensors").read_bytes()
+    )
+    result = run("global-norm", tmp_path, "--fail-above", "1000")
+    assert result.exit_code == 3
+    assert "pytorch_model.bin.index.json and 1 .safetensors file(s) without an index" in result.output
+    assert js("inspect", tmp_path / SHARDED_INDEX.name)["checkpoints"][0]["format"] == "sharded-torch"
+    (tmp_path / "adapter_model.safetensors").unlink()
     assert js("inspect", tmp_path)["checkpoints"][0]["format"] == "sharded-torch"
+    # another checkpoint's shards are not written beside these
+    other = tmp_path.parent / "other.safetensors"
+    other.write_bytes((DATA.parent.parent.parent / "samples" / "grads.safetensors").read_bytes())
+    result = run("convert", other, "-o", tmp_path, "--max-shard-size", "1KB")
+    assert result.exit_code == 4 and "pytorch_model.bin.index.json" in result.output
 
 
 def test_a_pytorch_index_that_disagrees_with_its_shards_is_refused(tmp_path):
@@ -309,3 +327,29 @@ def test_a_pytorch_index_that_disagrees_with_its_shards_is_refused(tmp_path):
     index_path.write_text(json.dumps(index))
     result = run("inspect", index_path)
     assert result.exit_code == 3 and "leaves the checkpoint's directory" in result.output
+
+
+def test_pytorch_index_mistakes_are_named(tmp_path):
+    for p in SHARDED.iterdir():
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    index_path = tmp_path / SHARDED_INDEX.name
+    shard = next(iter(json.loads(index_path.read_text())["weight_map"].values()))
+    for weight_map, message in [
+        ({}, "'weight_map' names no tensors"),
+        ({"f16": ""}, "an empty shard name"),
+        ({"f16": "sub"}, "shard sub named by the index is not a file"),
+        ({"f16": "gone.bin"}, "shard gone.bin named by the index does not exist"),
+    ]:
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        index_path.write_text(json.dumps({"weight_map": weight_map}))
+        result = run("global-norm", tmp_path)
+        assert result.exit_code == 3 and message in result.output, result.output
+    index_path.unlink()
+    result = run("inspect", tmp_path)
+    assert result.exit_code == 3 and f"name a file in it such as {shard}" in result.output
+
+
+def test_pytorch_shards_output_mistakes_name_what_to_do(tmp_path):
+    for out in (tmp_path / "dir" / "model.safetensors.index.json", tmp_path / "dir"):
+        result = run("clip-global-norm", SHARDED, "-o", out, "--clip-norm", "1")
+        assert result.exit_code == 2 and "clipcli convert --max-shard-size" in result.output, result.output

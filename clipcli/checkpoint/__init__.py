@@ -75,6 +75,7 @@ _FILE_FORMATS = {
     "torch": ("_torch", (".pt", ".pth", ".bin", ".ckpt")),
 }
 _WRITABLE = ("safetensors", "npz", "npy")
+_MAX_OPEN = 32  # files a checkpoint holds open at once (macOS allows a process 256; a diff reads two)
 
 
 @dataclass(unsafe_hash=True)  # never changed once made; not frozen, as a frozen one is 4 times as slow to make
@@ -159,7 +160,7 @@ class Checkpoint:
         self.tensors = tensors
         self.files = files
         self.index = index
-        self._handles: dict[str, BinaryIO] = {}
+        self._handles: dict[str, list[Any]] = {}  # file -> [its handle, the reads using it now]; oldest first
         self._zips: dict[str, zipfile.ZipFile] = {}
         self._crcs: dict[str, tuple[TensorInfo, dict[int, tuple[int, int]]]] = {}
         self._lock = threading.Lock()
@@ -171,7 +172,7 @@ class Checkpoint:
         self.close()
 
     def close(self) -> None:
-        for f in self._handles.values():
+        for f, _ in self._handles.values():
             f.close()
         for z in self._zips.values():
             z.close()
@@ -279,7 +280,7 @@ class Checkpoint:
             self._check_crc(t, offset, view)
 
     def _read_at(self, file: str, at: int, view: memoryview, t: Any) -> None:
-        fd = self._fd(file)
+        fd = self._acquire(file)
         got = 0
         try:
             while got < len(view):
@@ -289,6 +290,9 @@ class Checkpoint:
                 got += k
         except OSError as e:
             raise InputError(f"cannot read: {e.strerror or e}", file, t.name) from e
+        finally:
+            with self._lock:
+                self._handles[file][1] -= 1
 
     def check(self, t: TensorInfo, data: np.ndarray) -> None:
         """Checks a tensor's bytes read whole in a larger read: a stored zip member's CRC-32.
@@ -337,15 +341,27 @@ class Checkpoint:
         self._zips = {}
         self._crcs = {}
 
-    def _fd(self, file: str) -> int:
+    def _acquire(self, file: str) -> int:
+        """The descriptor of an open file, counted as in use until the read releases it (`_read_at`).
+
+        At most `_MAX_OPEN` files stay open: the least recently used that no read is using are closed
+        first, so a checkpoint of hundreds of shards (or two in a diff) stays within `ulimit -n`.
+        """
         with self._lock:
-            f = self._handles.get(file)
-            if f is None:
+            entry = self._handles.pop(file, None)  # put back last: the most recently used
+            if entry is None:
+                if len(self._handles) >= _MAX_OPEN:
+                    for name, (f, users) in list(self._handles.items()):
+                        if not users and len(self._handles) >= _MAX_OPEN // 2:
+                            f.close()
+                            del self._handles[name]
                 try:
-                    f = self._handles[file] = open(file, "rb", buffering=0)  # noqa: SIM115 (closed in close())
+                    entry = [open(file, "rb", buffering=0), 0]  # noqa: SIM115 (closed here or in close())
                 except OSError as e:
                     raise MissingFileError(e.strerror or str(e), file) from e
-            return f.fileno()
+            entry[1] += 1
+            self._handles[file] = entry
+            return entry[0].fileno()
 
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor as an array of its shape in C order (for small tensors and tests)."""
@@ -435,11 +451,17 @@ def _open(path: Path) -> Checkpoint:
         metadata, tensors = _dcp_module().open_directory(path)
         return Checkpoint(path, "distcp", metadata, tensors, sorted({Path(t.file) for t in tensors}))
     if path.is_dir():
-        # safetensors first (an index, then shards without one), then PyTorch shards' index: Hugging Face
-        # repositories often hold both kinds of the same weights
-        index = _sharded.find_index(path)
-        if index is None and not any(path.glob("*.safetensors")):
-            index = _sharded.find_index(path, _sharded.TORCH_INDEX_SUFFIXES)
+        # a safetensors index first (Hugging Face repositories often hold both kinds of the same weights),
+        # then PyTorch shards' index, then loose .safetensors shards; never loose files over an index
+        index = _sharded.find_index(path) or _sharded.find_index(path, _sharded.TORCH_INDEX_SUFFIXES)
+        if index is not None and index.name.endswith(_sharded.TORCH_INDEX_SUFFIXES):
+            loose = sorted(p.name for p in path.glob("*.safetensors"))
+            if loose:
+                raise InputError(
+                    f"the directory holds {index.name} and {len(loose)} .safetensors file(s) without an index "
+                    f"({', '.join(loose[:3])}{', ...' if len(loose) > 3 else ''}); name the index or a file",
+                    path,
+                )
         if index is None:
             metadata, tensors, files = _sharded.open_directory(path)
             return Checkpoint(path, "sharded", metadata, tensors, files)
@@ -530,11 +552,15 @@ def check_output(
     )
     if raw == "-":
         raise UsageError(f"clipcli writes files, not standard output; {hint}", raw, param)
-    if output_kind(out) not in (*_WRITABLE, "index", "directory") or (
-        out == source.path and source.format in ("distcp", "sharded-torch")
+    kind = output_kind(out)
+    if kind not in (*_WRITABLE, "index", "directory") or (
+        out == source.path and (source.format == "distcp" or (source.format == "sharded-torch" and not resharding))
     ):
         raise UsageError(f"clipcli reads PyTorch files but does not write them; {hint}", raw, param)
-    if output_kind(out) == "directory" and not (out == source.path and source.format == "sharded"):
+    if kind in ("index", "directory") and source.format == "sharded-torch" and not resharding:
+        shards = "clipcli convert --max-shard-size writes them as .safetensors shards"
+        raise UsageError(f"clipcli reads PyTorch shards but does not write them; {hint} ({shards})", raw, param)
+    if kind == "directory" and not (out == source.path and source.format == "sharded"):
         if out.suffix and not raw.endswith(("/", os.sep)) and not out.is_dir():
             raise UsageError(
                 f"unknown output format {out.suffix!r}; {hint} (or a directory for a sharded input)", raw, param
@@ -543,9 +569,6 @@ def check_output(
             raise UsageError(f"exists and is not a directory; {hint}", raw, param)
         if source.format != "sharded" and not resharding:
             more = " (or --max-shard-size)" if command == "convert" else ""
-            if source.format == "sharded-torch":
-                shards = "clipcli convert --max-shard-size writes them as .safetensors shards"
-                raise UsageError(f"clipcli reads PyTorch shards but does not write them; {hint} ({shards})", raw, param)
             raise UsageError(f"a directory output needs a sharded input{more}; {hint}", raw, param)
     return out
 
@@ -764,7 +787,7 @@ def plan(
         raise UsageError("--max-shard-size writes shards: name a directory (or a *.safetensors.index.json)", out)
     else:
         layout = Plan([(out, tensors)])
-    _check_no_stale_shards(layout)
+    _check_no_stale_shards(layout, source.index_path if source.format == "sharded-torch" else None)
     for target, group in layout.files:
         _check_format(target, group)
         if output_kind(target) == "npy" and source.format != "npy" and group[0].name != target.stem:
@@ -784,7 +807,7 @@ def plan(
     return layout
 
 
-def _check_no_stale_shards(layout: Plan) -> None:
+def _check_no_stale_shards(layout: Plan, source_index: Path | None = None) -> None:
     """Refuses a directory output that holds other shards or indexes than those the write makes: left
     beside the new ones, they would make the directory a different (or an unreadable) checkpoint.
 
@@ -794,10 +817,13 @@ def _check_no_stale_shards(layout: Plan) -> None:
     if layout.directory is None or not layout.directory.is_dir():
         return
     made = {resolve_target(f) for f, _ in layout.files} | ({resolve_target(layout.index)} if layout.index else set())
+    if source_index is not None:  # PyTorch shards converted beside themselves: the new index is read first
+        made.add(resolve_target(source_index))
     stale = sorted(
         p.name
         for p in layout.directory.iterdir()
-        if p.name.endswith((".safetensors", INDEX_SUFFIX)) and resolve_target(p) not in made
+        if p.name.endswith((".safetensors", INDEX_SUFFIX, *_sharded.TORCH_INDEX_SUFFIXES))
+        and resolve_target(p) not in made
     )
     if stale:
         listed = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")

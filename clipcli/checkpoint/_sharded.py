@@ -35,8 +35,12 @@ def open_index(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise MalformedError("the index has no 'weight_map' of tensor names to shard files", path)
+    if not weight_map:
+        raise MalformedError("the index's 'weight_map' names no tensors", path)
     shards = list(dict.fromkeys(weight_map.values()))
     for shard in shards:
+        if not shard.strip():
+            raise MalformedError("the index maps a tensor to an empty shard name", path)
         if os.path.isabs(shard) or ".." in Path(shard).parts:
             raise MalformedError(f"shard path {shard!r} leaves the checkpoint's directory", path)
     tensors: list[Any] = []
@@ -44,9 +48,10 @@ def open_index(
     for shard in shards:
         shard_path = path.parent / shard
         if not shard_path.is_file():
-            raise MissingFileError(f"shard {shard} named by the index does not exist", path)
+            missing = "is not a file" if shard_path.exists() else "does not exist"
+            raise MissingFileError(f"shard {shard} named by the index {missing}", path)
         shard_meta, shard_tensors = open_file(shard_path)
-        metadata = metadata or shard_meta
+        _add_metadata(metadata, shard_meta)
         for t in shard_tensors:
             if weight_map.get(t.name) != shard:
                 raise MalformedError(f"the index does not map this tensor to {shard}", shard_path, t.name)
@@ -71,25 +76,36 @@ def find_index(directory: Path, suffixes: tuple[str, ...] = (INDEX_SUFFIX,)) -> 
 
 def open_directory(directory: Path) -> tuple[dict[str, str], list[Any], list[Path]]:
     """Every `*.safetensors` of a directory without an index, in name order, as one checkpoint."""
-    shards = sorted(directory.glob("*.safetensors"))
+    shards = sorted(p for p in directory.glob("*.safetensors") if not p.is_dir())
     if not shards:
+        files = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".npz"))
+        hint = f" such as {', '.join(files[:3])}" if files else ""
         raise MissingFileError(
             "the directory holds no .safetensors files, no *.safetensors.index.json, no pytorch_model.bin.index.json "
-            "and no distributed checkpoint (.metadata); name a file in it",
+            f"and no distributed checkpoint (.metadata); name a file in it{hint}",
             directory,
         )
     tensors: list[Any] = []
     metadata: dict[str, str] = {}
     seen: set[str] = set()
     for shard in shards:
+        if not shard.is_file():
+            raise MissingFileError("a .safetensors in the directory that is not a file (a broken link?)", shard)
         shard_meta, shard_tensors = _safetensors.open_file(shard)
-        metadata = metadata or shard_meta
+        _add_metadata(metadata, shard_meta)
         for t in shard_tensors:
             if t.name in seen:
                 raise MalformedError("two shards hold this tensor", shard, t.name)
             seen.add(t.name)
         tensors.extend(shard_tensors)
     return metadata, tensors, shards
+
+
+def _add_metadata(metadata: dict[str, str], shard: dict[str, str]) -> None:
+    """A shard's metadata added to the checkpoint's: each key from the first shard that has it (shards
+    written together repeat theirs, e.g. `{"format": "pt"}`)."""
+    for key, value in shard.items():
+        metadata.setdefault(key, value)
 
 
 def write_index(f: BinaryIO, base: dict[str, Any] | None, weight_map: dict[str, str], total_size: int) -> None:

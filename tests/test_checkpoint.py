@@ -954,3 +954,15 @@ def test_metadata_of_every_shard_is_kept(tmp_path):
     (tmp_path / "b.safetensors").write_bytes(st_bytes({"y": np.ones(2, np.float32)}, {"format": "pt", "lr": "0.1"}))
     with open_checkpoint(tmp_path) as ckpt:
         assert ckpt.metadata == {"format": "pt", "step": "1", "lr": "0.1"}
+
+
+def test_an_npz_directory_entry_pointing_at_another_member_is_refused(tmp_path):
+    # an entry pointing at another member's local header: that member's header and bytes, read as this one's
+    from tests.test_torch_format import redirect_member
+
+    buf = io.BytesIO()
+    np.savez(buf, x=np.arange(4.0), y=np.arange(4.0) * 2)
+    path = tmp_path / "r.npz"
+    path.write_bytes(redirect_member(buf.getvalue(), "y.npy", "x.npy"))
+    with pytest.raises(MalformedError, match="bad local header"):
+        open_checkpoint(path)

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipcli.checkpoint import _torch
+from clipcli.checkpoint import _torch, open_checkpoint
 from clipcli.checkpoint._pickle import (
     PLAIN_GLOBALS,
     Constructor,
@@ -1046,6 +1046,33 @@ def test_agrees_with_torch_load(path: Path) -> None:
     assert not any(isinstance(v, torch.Tensor) for v in flat.values())
 
 
+@FUZZ
+@given(st.data())
+def test_mutated_files_both_read_give_torchs_values(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject):
+    """Where a damaged file is still read by clipcli and by `torch.load(weights_only=True)`, they agree on
+    every tensor's bytes. (Each may refuse where the other reads: clipcli checks CRC-32s torch does not;
+    torch reads records clipcli never needs, such as `.storage_alignment`.)"""
+    torch = pytest.importorskip("torch")
+    files = [p for p in CORPUS_FILES if expected(p)["torch_load"] == "weights_only"]
+    source = data.draw(st.sampled_from(files))
+    path = tmp_path_factory.mktemp("fuzz") / source.name
+    path.write_bytes(data.draw(byte_mutations(source.read_bytes())))
+    try:
+        with open_checkpoint(path) as ckpt:
+            got = {t.name: ckpt.read(t).tobytes() for t in ckpt.tensors if t.skip is None}
+    except ClipcliError:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = _flatten_torch(torch.load(path, weights_only=True), path.stem, torch)
+    except Exception:  # torch's many errors for a damaged file
+        return
+    for name, raw in got.items():
+        want = loaded[name].detach().contiguous()
+        assert raw == (want.reshape(-1).view(torch.uint8).numpy().tobytes() if want.numel() else b""), name
+
+
 def _flatten_torch(obj: Any, stem: str, torch: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     pending = [(None, obj)]
@@ -1123,3 +1150,30 @@ def test_tensor_data_is_never_read(tmp_path: Path, kind: str) -> None:
         path = legacy_file(tmp_path / "big.pt", obj, {"0": (n, bytes(4 * n))})
     assert read_or_refuse(path) == "ok"
     assert peak_bytes(path) < 3 << 20
+
+
+def redirect_member(data: bytes, name: str, to: str) -> bytes:
+    """A zip whose central directory entry for `name` points at the local header of `to`."""
+    out = bytearray(data)
+    offsets = {}
+    at = out.find(b"PK\x01\x02")
+    while at != -1:
+        n = struct.unpack("<H", out[at + 28 : at + 30])[0]
+        offsets[out[at + 46 : at + 46 + n].decode()] = at
+        at = out.find(b"PK\x01\x02", at + 46 + n)
+    target = struct.unpack("<I", out[offsets[to] + 42 : offsets[to] + 46])[0]
+    out[offsets[name] + 42 : offsets[name] + 46] = struct.pack("<I", target)
+    return bytes(out)
+
+
+def test_a_directory_entry_pointing_at_another_record_is_refused(tmp_path: Path) -> None:
+    # Found by the differential fuzz test against torch: data/3's entry pointing at data.pkl's header made
+    # clipcli read the pickle's bytes as the tensor's values (and torch returned uninitialised memory)
+    source = CORPUS / "no_byteorder.pt"
+    path = tmp_path / source.name
+    path.write_bytes(redirect_member(source.read_bytes(), "no_byteorder/data/3", "no_byteorder/data.pkl"))
+    with pytest.raises(MalformedError, match="storage 3: bad local zip header"):
+        read_torch(path)
+    path.write_bytes(redirect_member(source.read_bytes(), "no_byteorder/data/3", "no_byteorder/data/2"))
+    with pytest.raises(MalformedError, match="storage 3: bad local zip header"):
+        read_torch(path)

@@ -6,7 +6,8 @@ import contextlib
 import math
 import os
 import stat
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, cast
@@ -195,6 +196,21 @@ class ZipMember(NamedTuple):
 
     member: str
     data_offset: int
+
+
+def zip_data_start(read: Callable[[int, int], bytes], info: Any) -> int | None:
+    """Where a zip member's bytes begin (after its local header, whose lengths may differ from the
+    directory's), or None when no local header of that name is where the directory says: the directory
+    would point at another member's bytes. `read(offset, n)` reads the archive; `info` is a ZipInfo."""
+    local = read(info.header_offset, 30)
+    if len(local) < 30 or not local.startswith(b"PK\x03\x04"):
+        return None
+    flags, name_len, extra_len = struct.unpack("<H18xHH", local[6:30])
+    raw_name = read(info.header_offset + 30, name_len)
+    name = raw_name.decode("utf-8" if flags & 0x800 else "cp437", "replace")  # as zipfile decodes it
+    if name != info.orig_filename:
+        return None
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def crc32_of_parts(parts: Iterable[tuple[int, int]]) -> int:

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from clipcli.checkpoint import _npy
-from clipcli.checkpoint._files import Span, StoredCrc, ZipMember, read_head, sniff, write_data
+from clipcli.checkpoint._files import Span, StoredCrc, ZipMember, read_head, sniff, write_data, zip_data_start
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
 
 MAX_LZMA_DICTIONARY = 64 << 20  # 7-Zip's "ultra" setting; Python's zipfile writes 8 MiB
@@ -108,13 +108,16 @@ def _member_tensor(path: Path, z: zipfile.ZipFile, raw: BinaryIO, member: zipfil
 
 
 def _data_start(raw: BinaryIO, member: zipfile.ZipInfo) -> int:
-    """Where a member's bytes begin in the archive: after its local header, whose lengths may differ."""
-    raw.seek(member.header_offset)
-    local = raw.read(30)
-    if len(local) < 30 or not local.startswith(b"PK\x03\x04"):
-        raise MalformedError("bad local header")
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    return member.header_offset + 30 + name_len + extra_len
+    """Where a member's bytes begin in the archive."""
+
+    def read(offset: int, n: int) -> bytes:
+        raw.seek(offset)
+        return raw.read(n)
+
+    start = zip_data_start(read, member)
+    if start is None:
+        raise MalformedError("bad local header (not the member's own: the zip directory points elsewhere)")
+    return start
 
 
 def _check_lzma_dictionary(raw: BinaryIO, member: zipfile.ZipInfo) -> None:

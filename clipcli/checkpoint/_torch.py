@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import Span, Strided, sniff
+from clipcli.checkpoint._files import Span, Strided, sniff, zip_data_start
 from clipcli.checkpoint._pickle import (
     MAX_DEPTH,
     PLAIN_GLOBALS,
@@ -775,11 +775,9 @@ def _stored_data_offset(region: _Region, info: zipfile.ZipInfo, storage: _Storag
         raise UnsupportedError(
             f"storage {storage.key} is compressed or encrypted (torch never does either); clipcli reads it only stored"
         )
-    local = region.pread(info.header_offset, 30)
-    if len(local) < 30 or not local.startswith(b"PK\x03\x04"):
-        raise MalformedError(f"storage {storage.key}: bad local zip header")
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    start = info.header_offset + 30 + name_len + extra_len
+    start = zip_data_start(region.pread, info)
+    if start is None:
+        raise MalformedError(f"storage {storage.key}: bad local zip header (the zip directory points elsewhere)")
     if info.file_size != info.compress_size or info.file_size != storage.nbytes:
         raise MalformedError(
             f"storage {storage.key} holds {info.file_size} bytes but the pickle declares {storage.numel} "

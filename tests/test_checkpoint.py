@@ -966,3 +966,20 @@ def test_an_npz_directory_entry_pointing_at_another_member_is_refused(tmp_path):
     path.write_bytes(redirect_member(buf.getvalue(), "y.npy", "x.npy"))
     with pytest.raises(MalformedError, match="bad local header"):
         open_checkpoint(path)
+
+
+def test_an_npz_np_load_does_not_take_for_a_zip_is_refused(tmp_path):
+    # Found by the differential fuzz test against np.load: a damaged .npz whose zip directory listed no
+    # member was read as a checkpoint of no tensors (a clip would have written an empty file)
+    buf = io.BytesIO()
+    np.savez(buf, x=np.arange(4.0))
+    data = bytearray(buf.getvalue())
+    data[2:4] = b"\0\0"  # no local header at the start
+    end = data.rfind(b"PK\x05\x06")
+    data[end + 8 : end + 12] = b"\0\0\0\0"  # the end record lists no member
+    path = tmp_path / "damaged.npz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError):
+        np.load(path, allow_pickle=False)
+    with pytest.raises(MalformedError, match="its first bytes are no zip member's header"):
+        open_checkpoint(path)

@@ -306,6 +306,28 @@ def test_fuzz_npy_is_read_as_numpy_reads_it_or_refused(tmp_path, data, base, hea
 
 @FUZZ
 @given(data=st.data(), base=st.sampled_from(BASE_NPZ))
+def test_fuzz_npz_read_by_both_gives_numpys_values(tmp_path, data, base):
+    """Where clipcli and np.load both read a damaged .npz, every numeric member has NumPy's shape and bytes."""
+    path = tmp_path / "fuzz.npz"
+    path.write_bytes(data.draw(byte_mutations(base)))
+    try:
+        with open_checkpoint(path) as ckpt:
+            got = {t.name: ckpt.read(t) for t in ckpt.tensors if t.array_dtype is not None}
+    except ClipcliError:
+        return
+    try:
+        with warnings.catch_warnings(), np.load(path, allow_pickle=False) as z:
+            warnings.simplefilter("ignore")
+            want = {name: z[name] for name in got}
+    except Exception:  # NumPy's, zipfile's errors: it refused
+        return
+    for name, values in got.items():
+        native = np.ascontiguousarray(want[name], dtype=want[name].dtype.newbyteorder("="))
+        assert values.shape == native.shape and values.tobytes() == native.tobytes(), name
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(BASE_NPZ))
 def test_fuzz_npz_bytes(tmp_path, data, base):
     check(tmp_path, ".npz", data.draw(byte_mutations(base)))
 

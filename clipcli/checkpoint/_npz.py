@@ -47,7 +47,9 @@ def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
         MalformedError, UnsupportedError: for a damaged archive or member.
     """
     head = read_head(path)
-    if head[:2] != b"PK":
+    if not head.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # np.load's test: a zip's first member, or an empty zip
+        if head[:2] == b"PK":
+            raise MalformedError("not a valid .npz: its first bytes are no zip member's header", path)
         raise FileTypeError(f"not an .npz file: {sniff(head)}", path)
     if b"data.pkl" in head:
         raise FileTypeError(f"not an .npz file: {sniff(head)}", path)

@@ -355,9 +355,13 @@ def _emit(
             f.write(render.to_json(rep).encode("utf-8"))
     if quiet:
         return
-    text = render.to_json(rep) if fmt is Format.json else render.to_csv(rep) if fmt is Format.csv else None
+    for_programs = fmt in (Format.json, Format.csv)
+    if for_programs:
+        text = render.to_json(rep) if fmt is Format.json else render.to_csv(rep)
+    else:
+        text = render.render_text(rep, getattr(sys.stdout, "encoding", None) or "utf-8")
     try:
-        _write(render.render_text(rep) if text is None else text, for_programs=text is not None)
+        _write(text, for_programs)
     except BrokenPipeError:
         raise
     except OSError as e:  # a full disk under `> norms.json`: the report, not the checkpoint, is lost

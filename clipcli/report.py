@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import functools
 import io
@@ -10,6 +11,7 @@ import math
 import operator
 import unicodedata
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -559,15 +561,38 @@ def _size(n: int) -> str:
 
 
 _BLOCKS = " ▏▎▍▌▋▊▉█"
+# The encoding the table is rendered for: what it cannot hold is escaped before columns are measured
+_ENCODING: ContextVar[str] = ContextVar("encoding", default="utf-8")
 
 
 def share_bar(share: float | None, width: int = 8) -> str:
-    """A bar of eighth blocks for a share in [0, 1], followed by the percentage."""
+    """A bar of eighth blocks for a share in [0, 1] ('#'s where the output cannot show blocks), then the
+    percentage."""
     if share is None or math.isnan(share):
         return "-"
-    eighths = round(min(max(share, 0.0), 1.0) * width * 8)
+    fraction = min(max(share, 0.0), 1.0)
+    if not _shows(_BLOCKS):
+        return f"{'#' * round(fraction * width):<{width}} {share * 100:5.1f}%"
+    eighths = round(fraction * width * 8)
     bar = "█" * (eighths // 8) + (_BLOCKS[eighths % 8] if eighths % 8 else "")
     return f"{bar:<{width}} {share * 100:5.1f}%"
+
+
+def _shows(text: str) -> bool:
+    """Whether the output's encoding holds `text`."""
+    try:
+        text.encode(_ENCODING.get())
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(text: str) -> str:
+    """`text` as the output's encoding can show it: what it cannot hold escaped (`\\u2588`)."""
+    if text.isascii():
+        return text
+    encoding = _ENCODING.get()
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _width(text: str) -> int:
@@ -583,6 +608,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Iterable
     Cells are shown as given (escape names with `printable` first); columns in `right` are right-aligned.
     """
     body = [list(headers), *(list(r) for r in rows)]
+    if _ENCODING.get() != "utf-8":
+        body = [[_shown(cell) for cell in row] for row in body]
     widths = [max(_width(row[i]) for row in body) for i in range(len(headers))]
     aligned = set(right)
     lines = []
@@ -619,8 +646,18 @@ def headline(command: str, c: CheckpointReport, p: float) -> str:
     return f"{path}: {what} over {counted}{skipped}; {target}"
 
 
-def render_text(report: Report) -> str:
-    """The report for a person: plain text, names escaped, no line wrapped."""
+def render_text(report: Report, encoding: str = "utf-8") -> str:
+    """The report for a person: plain text, names escaped, no line wrapped; for an output in `encoding`,
+    table cells hold only what it can show (escaped before the columns are measured) and bars are '#'s
+    where it has no block characters."""
+    token = _ENCODING.set(codecs.lookup(encoding).name)
+    try:
+        return _render_text(report)
+    finally:
+        _ENCODING.reset(token)
+
+
+def _render_text(report: Report) -> str:
     if report.diff is not None:
         blocks = [_diff_lines(report.diff, report.ord)]
     elif report.command in ("inspect", "convert"):

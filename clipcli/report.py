@@ -571,17 +571,18 @@ def share_bar(share: float | None, width: int = 8) -> str:
     if share is None or math.isnan(share):
         return "-"
     fraction = min(max(share, 0.0), 1.0)
-    if not _shows(_BLOCKS):
+    if not _holds(_ENCODING.get(), _BLOCKS):
         return f"{'#' * round(fraction * width):<{width}} {share * 100:5.1f}%"
     eighths = round(fraction * width * 8)
     bar = "█" * (eighths // 8) + (_BLOCKS[eighths % 8] if eighths % 8 else "")
     return f"{bar:<{width}} {share * 100:5.1f}%"
 
 
-def _shows(text: str) -> bool:
-    """Whether the output's encoding holds `text`."""
+@functools.lru_cache
+def _holds(encoding: str, text: str) -> bool:
+    """Whether `encoding` holds `text`."""
     try:
-        text.encode(_ENCODING.get())
+        text.encode(encoding)
     except UnicodeEncodeError:
         return False
     return True

@@ -381,7 +381,7 @@ def test_symlinked_output_and_in_place(files, tmp_path):
     assert done.returncode == 4 and "refusing to overwrite the input" in done.stderr
 
 
-def test_hundreds_of_shards_are_read_within_a_small_open_files_limit(tmp_path):
+def test_hundreds_of_shards_are_read_and_written_within_a_small_open_files_limit(tmp_path):
     # Found by a review: every shard stayed open, so 600 shards under `ulimit -n 64` (or a diff of two
     # checkpoints of 130 shards under macOS's 256) failed with "Too many open files".
     rng = np.random.default_rng(5)
@@ -395,6 +395,14 @@ def test_hundreds_of_shards_are_read_within_a_small_open_files_limit(tmp_path):
             sides.setdefault(side, []).append(values)
     limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96)); "
     code = limit + "import sys; from clipcli.cli import main; sys.argv[0] = 'clipcli'; main()"
+    clipped = tmp_path / "clipped"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "clip-global-norm", str(tmp_path / "a"), "-o", str(clipped), "--clip-norm", "1"],
+        capture_output=True,
+        text=True,
+    )  # a second review: the 150 output shards were all held open at once
+    assert result.returncode == 0, result.stderr
+    assert len(list(clipped.glob("*.safetensors"))) == 150
     for args in (["global-norm", tmp_path / "a", "--jobs", "2"], ["diff", tmp_path / "a", tmp_path / "b"]):
         result = subprocess.run(
             [sys.executable, "-c", code, *map(str, args), "--format", "json"], capture_output=True, text=True

@@ -649,6 +649,13 @@ def test_old_tar_format_and_torchscript_are_refused(tmp_path: Path) -> None:
         z.writestr("script/code/__torch__.py", "")
     with pytest.raises(UnsupportedError, match="TorchScript"):
         read_torch(script)
+    # as torch.jit.save writes one: a data.pkl too, naming its module classes (a review: reported as an
+    # unsafe GLOBAL __torch__.Foo rather than as TorchScript)
+    with zipfile.ZipFile(script, "w") as z:
+        z.writestr("script/data.pkl", b"\x80\x02c__torch__\nFoo\nq\x00)\x81}b.")
+        z.writestr("script/code/__torch__.py", "")
+    with pytest.raises(UnsupportedError, match="TorchScript"):
+        read_torch(script)
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -675,7 +675,8 @@ def placed(
 ) -> Iterator[dict[str, Place] | None]:
     """Opens the output's files (temporary ones) with their headers written and yields where each tensor's
     bytes go, so that workers can write them in any order (`os.pwrite`); None when the output's format
-    needs them in order (an .npz; a Fortran-order tensor into .safetensors): then use `save`.
+    needs them in order (an .npz; a Fortran-order tensor into .safetensors), or it has more files than a
+    checkpoint holds open (`_MAX_OPEN`): then use `save`.
 
     On a clean exit every file is fsynced and renamed over its target, the index of shards last; on an
     error none is, and the temporary files are removed.
@@ -686,8 +687,8 @@ def placed(
     layout = plan(source, out, tensors, max_shard)
     kinds = [output_kind(target) for target, _ in layout.files]
     in_c_order = [t for target, group in layout.files if target.suffix == ".safetensors" for t in group]
-    if "npz" in kinds or any(t.fortran_order for t in in_c_order):
-        yield None
+    if "npz" in kinds or any(t.fortran_order for t in in_c_order) or len(layout.files) > _MAX_OPEN:
+        yield None  # (many shards: written one after another, holding one open instead of all of them)
         return
     _refuse_overwrite(source, layout, in_place)
     places: dict[str, Place] = {}

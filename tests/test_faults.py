@@ -393,7 +393,7 @@ def test_hundreds_of_shards_are_read_and_written_within_a_small_open_files_limit
             values = rng.standard_normal(3).astype(np.float32)
             (directory / f"model-{i:05d}.safetensors").write_bytes(st_bytes({f"t{i}": values}))
             sides.setdefault(side, []).append(values)
-    limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96)); "
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); "
     code = limit + "import sys; from clipcli.cli import main; sys.argv[0] = 'clipcli'; main()"
     clipped = tmp_path / "clipped"
     result = subprocess.run(

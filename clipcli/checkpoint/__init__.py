@@ -75,7 +75,8 @@ _FILE_FORMATS = {
     "torch": ("_torch", (".pt", ".pth", ".bin", ".ckpt")),
 }
 _WRITABLE = ("safetensors", "npz", "npy")
-_MAX_OPEN = 32  # files a checkpoint holds open at once (macOS allows a process 256; a diff reads two)
+_MAX_OPEN = 16  # files a checkpoint holds open to read at once (macOS allows a process 256; a diff reads two)
+_MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are written one after another
 
 
 @dataclass(unsafe_hash=True)  # never changed once made; not frozen, as a frozen one is 4 times as slow to make
@@ -675,8 +676,8 @@ def placed(
 ) -> Iterator[dict[str, Place] | None]:
     """Opens the output's files (temporary ones) with their headers written and yields where each tensor's
     bytes go, so that workers can write them in any order (`os.pwrite`); None when the output's format
-    needs them in order (an .npz; a Fortran-order tensor into .safetensors), or it has more files than a
-    checkpoint holds open (`_MAX_OPEN`): then use `save`.
+    needs them in order (an .npz; a Fortran-order tensor into .safetensors), or it has more files than
+    `_MAX_OPEN_OUTPUT`: then use `save`.
 
     On a clean exit every file is fsynced and renamed over its target, the index of shards last; on an
     error none is, and the temporary files are removed.
@@ -687,7 +688,7 @@ def placed(
     layout = plan(source, out, tensors, max_shard)
     kinds = [output_kind(target) for target, _ in layout.files]
     in_c_order = [t for target, group in layout.files if target.suffix == ".safetensors" for t in group]
-    if "npz" in kinds or any(t.fortran_order for t in in_c_order) or len(layout.files) > _MAX_OPEN:
+    if "npz" in kinds or any(t.fortran_order for t in in_c_order) or len(layout.files) > _MAX_OPEN_OUTPUT:
         yield None  # (many shards: written one after another, holding one open instead of all of them)
         return
     _refuse_overwrite(source, layout, in_place)

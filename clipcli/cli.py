@@ -589,7 +589,7 @@ def clip_value(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """tf.clip_by_value on every selected floating tensor: NaN stays NaN, +-inf is clipped to the bounds.
+    """tf.clip_by_value on every selected real floating tensor: NaN stays NaN, +-inf is clipped to the bounds.
 
     --min and --max are rounded to each tensor's dtype first, as TensorFlow does: a bfloat16 tensor
     clipped at 0.1 is clipped at 0.10009765625.

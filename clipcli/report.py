@@ -192,10 +192,14 @@ class DiffReport:
     def different(self) -> list[str]:
         """What differs, in words (empty when the checkpoints hold the same names, shapes, dtypes, values)."""
         out = []
-        changed = [r.name for r in self.tensors if r.changed or r.dtype_a != r.dtype_b]
-        changed += [r.name for r in self.others if not r.identical]
+        changed = [r.name for r in self.tensors if r.changed] + [r.name for r in self.others if not r.identical]
+        # the same values in another dtype (float32 against bfloat16 of bfloat16 values): said apart
+        retyped = [r.name for r in self.tensors if not r.changed and r.dtype_a != r.dtype_b]
         differ = "tensor differs" if len(changed) == 1 else "tensors differ"
-        for names, what in ((changed, differ), (self.only_a, "only in A"), (self.only_b, "only in B")):
+        dtypes = "tensor differs in dtype only" if len(retyped) == 1 else "tensors differ in dtype only"
+        for names, what in (
+            (changed, differ), (retyped, dtypes), (self.only_a, "only in A"), (self.only_b, "only in B")
+        ):  # fmt: skip
             if names:
                 more = ", ..." if len(names) > 1 else ""
                 out.append(f"{len(names):,} {what} ({printable(names[0])}{more})")
@@ -321,6 +325,7 @@ def _diff_json(p: float, d: DiffReport) -> dict[str, Any]:
              "rel": _num(g.rel), "share": _num(g.share)}
             for g in d.groups
         ]  # fmt: skip
+        out["group_count"] = d.group_count
     return out
 
 
@@ -439,6 +444,7 @@ def _checkpoint_json(command: str, c: CheckpointReport) -> dict[str, Any]:
         out["groups"] = [
             {"name": g.name, "tensors": g.tensors, "norm": _num(g.norm), "share": _num(g.share)} for g in c.groups
         ]
+        out["group_count"] = c.group_count  # the groups there are: --top may list fewer
     if clip:
         out.update({k: _num(v) for k, v in c.clip.items()})
         if command == "clip-global-norm":

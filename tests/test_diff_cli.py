@@ -86,6 +86,16 @@ def test_float32_against_its_bfloat16_by_value(pair):
     assert t["norm_b"] == pytest.approx(exact_norm(b.astype(np.float64)), rel=1e-13)
 
 
+def test_fail_different_says_when_only_the_dtype_differs(pair):
+    # a review: "5 tensors differ" beside a report of 0 changed values read as a contradiction
+    b = np.random.default_rng(2).standard_normal(8).astype(ml_dtypes.bfloat16)
+    pa, pb = pair({"w": b.astype(F32), "v": np.ones(3, F32)}, {"w": b, "v": np.zeros(3, F32)})
+    result = run("diff", pa, pb, "--fail-different")
+    assert result.exit_code == 1
+    assert "1 tensor differs (v)" in result.output
+    assert "1 tensor differs in dtype only (w)" in result.output
+
+
 def test_nearly_parallel_tensors_get_their_cosine_right_to_1e_12(pair):
     rng = np.random.default_rng(2)
     a = rng.standard_normal(50_000)

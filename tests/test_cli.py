@@ -133,6 +133,9 @@ def test_depth_groups(grads):
     assert groups["model.layers.1"]["tensors"] == 7
     assert groups["model.layers.1"]["norm"] == pytest.approx(fnorm(layer1), rel=1e-15)
     assert math.fsum(g["share"] for g in c["groups"]) == pytest.approx(1.0, rel=1e-14)
+    assert c["group_count"] == 4
+    (top,) = js("global-norm", grads, "--depth", "3", "--sort", "norm", "--top", "2")["checkpoints"]
+    assert [g["name"] for g in top["groups"]] == ["model.layers.1", "model.layers.0"] and top["group_count"] == 4
 
 
 def test_sort_and_top_keep_the_global_norm(grads):

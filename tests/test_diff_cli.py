@@ -210,7 +210,7 @@ def test_depth_sort_and_top():
     d = diff_json(grads, other, "--depth", "3", "--sort", "name", "--top", "3")
     assert len(d["tensors"]) == 3 and [t["name"] for t in d["tensors"]] == sorted(t["name"] for t in d["tensors"])
     assert {g["name"] for g in d["groups"]} >= {"model.layers.0", "model.layers.1"}
-    assert d["tensor_count"] == 16
+    assert d["tensor_count"] == 16 and d["group_count"] == 4
 
 
 def _diffs(ckpt_a, ckpt_b, kind, jobs):

@@ -353,3 +353,23 @@ def test_pytorch_shards_output_mistakes_name_what_to_do(tmp_path):
     for out in (tmp_path / "dir" / "model.safetensors.index.json", tmp_path / "dir"):
         result = run("clip-global-norm", SHARDED, "-o", out, "--clip-norm", "1")
         assert result.exit_code == 2 and "clipcli convert --max-shard-size" in result.output, result.output
+
+
+def test_an_index_own_metadata_is_the_checkpoints(tmp_path):
+    # a review: huggingface_hub's `metadata=` lands in the index only, for PyTorch shards; it was not shown,
+    # and a conversion to one file dropped it silently
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for p in SHARDED.iterdir():
+        (shards / p.name).write_bytes(p.read_bytes())
+    index_path = shards / SHARDED_INDEX.name
+    index = json.loads(index_path.read_text())
+    index["metadata"].update({"foo": "bar", "step": 7})
+    index_path.write_text(json.dumps(index))
+    assert js("inspect", shards)["checkpoints"][0]["metadata"] == {"foo": "bar", "step": "7"}
+    out = tmp_path / "one.safetensors"
+    ok("convert", shards, "-o", out, "--quiet")
+    with safe_open(out, "np") as f:
+        assert f.metadata() == {"foo": "bar", "step": "7"}
+    result = run("convert", shards, "-o", tmp_path / "x.npz", "--include", "f64")
+    assert result.exit_code == 3 and "the metadata (2 entries: foo, step)" in result.output  # said, not dropped

@@ -59,6 +59,12 @@ def open_index(
         if missing:
             raise MalformedError(f"tensor {missing[0]} named by the index is not in {shard}", path)
         tensors.extend(shard_tensors)
+    # the index's own metadata (huggingface_hub's `metadata=`; PyTorch shards have no other place for it),
+    # but its total size, which is the index's bookkeeping: non-strings as JSON
+    extra = index.get("metadata")
+    for key, value in extra.items() if isinstance(extra, dict) else ():
+        if key != "total_size":
+            metadata.setdefault(key, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
     return metadata, tensors, [path.parent / s for s in shards], index
 
 

@@ -699,10 +699,10 @@ def _inspect_lines(c: CheckpointReport, command: str = "inspect") -> list[str]:
     lines += table(headers, rows, right=(3, 4))
     if command == "convert" and c.skipped:
         lines.append(f"{plural(len(c.skipped), 'tensor')} left out by --include/--exclude (listed in --format json)")
-    return lines + _shared_lines(c, command)
+    return lines + _shared_lines(c)
 
 
-def _shared_lines(c: CheckpointReport, command: str) -> list[str]:
+def _shared_lines(c: CheckpointReport) -> list[str]:
     what = "one storage in the file" if c.output is None else "written as separate copies"
     return [f"tied: {', '.join(printable(n) for n in names)} ({what})" for names in c.shared]
 
@@ -751,7 +751,7 @@ def _checkpoint_lines(command: str, c: CheckpointReport, p: float) -> list[str]:
         lines += table(headers, rows, right=right)
     if c.groups is not None:
         lines += _group_lines(c.groups, c.group_count)
-    lines += _shared_lines(c, command)
+    lines += _shared_lines(c)
     unselected = [s for s in c.skipped if s.reason.startswith(("not selected", "excluded"))]
     lines += _skipped_lines([s for s in c.skipped if s not in unselected])
     if unselected:

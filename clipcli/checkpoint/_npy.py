@@ -23,6 +23,7 @@ MAX_HEADER = 10_000  # NumPy's own default `max_header_size`: longer headers are
 _PORTABLE_KINDS = "biufc"
 _ALIGN = 64
 _GROWTH_DIGITS = 21
+_MAX_BYTES = 1 << 63  # an array's size in bytes must fit NumPy's intp
 
 
 class NpyHeader(NamedTuple):
@@ -165,9 +166,6 @@ def type_name(dtype: np.dtype) -> str:
     if dtype.names is not None:
         return "structured"
     return dtype.str.lstrip("<>=|") if dtype.kind in "SUa" else dtype.name
-
-
-_MAX_BYTES = 1 << 63  # an array's size in bytes must fit NumPy's intp
 
 
 def npy_header(dtype: np.dtype, shape: tuple[int, ...], fortran_order: bool = False) -> bytes:

@@ -722,7 +722,7 @@ def _read_zip(region: _Region) -> tuple[Any, _Storages, bool, int]:
                 members[info.filename] = info
             prefix = _archive_prefix(infos)
             data_pkl = members.get(prefix + "data.pkl")
-            if prefix + "constants.pkl" in members or prefix + "code/" in {n[: len(prefix) + 5] for n in members}:
+            if prefix + "constants.pkl" in members or any(n.startswith(prefix + "code/") for n in members):
                 # TorchScript's data.pkl names its module classes (__torch__.*): code, not tensors
                 raise UnsupportedError("a TorchScript archive (torch.jit.save), not a torch.save file")
             if data_pkl is None:

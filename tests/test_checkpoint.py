@@ -983,3 +983,17 @@ def test_an_npz_np_load_does_not_take_for_a_zip_is_refused(tmp_path):
         np.load(path, allow_pickle=False)
     with pytest.raises(MalformedError, match="its first bytes are no zip member's header"):
         open_checkpoint(path)
+
+
+def test_shard_directories_skip_folders_named_like_shards_and_name_broken_links(tmp_path):
+    # a review: a folder `old.safetensors/` (or one named like an index) beside the shards made the whole
+    # directory unreadable ("Is a directory"), and a broken link gave a message naming only the directory
+    (tmp_path / "a.safetensors").write_bytes(st_bytes({"x": np.ones(2, np.float32)}))
+    (tmp_path / "old.safetensors").mkdir()
+    (tmp_path / "x.safetensors.index.json").mkdir()
+    with open_checkpoint(tmp_path) as ckpt:
+        assert [t.name for t in ckpt.tensors] == ["x"]
+    (tmp_path / "gone.safetensors").symlink_to(tmp_path / "nowhere.safetensors")
+    with pytest.raises(MissingFileError, match="not a file \\(a broken link\\?\\)") as e:
+        open_checkpoint(tmp_path)
+    assert "gone.safetensors" in str(e.value)

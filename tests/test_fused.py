@@ -1,0 +1,150 @@
+"""The compiled loops (clipcli/_fused.c) against Python's own float arithmetic in their documented order,
+and the core without them (the NumPy fallback of an install that could not compile them)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clipcli import _fused, core  # the README's install compiles _fused: a failed build fails here
+from clipcli.core import BLOCK, DiffAccumulator, NormAccumulator
+
+F32 = np.float32
+
+
+def lane_sum(terms: list[float]) -> float:
+    """Eight lanes, lane j adding terms j, j + 8, ... in turn from 0.0, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+
+    Python floats are IEEE doubles: this is the documented order, computed without NumPy or C.
+    """
+    lanes = [0.0] * 8
+    for i, t in enumerate(terms):
+        lanes[i % 8] += t
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+
+
+def wide_values(rng: np.random.Generator, shape, spread: int) -> np.ndarray:
+    return rng.standard_normal(shape) * np.exp2(rng.integers(-spread, spread, shape))
+
+
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.integers(0, 40) | st.just(BLOCK))
+@settings(max_examples=60, deadline=None)
+def test_row_dots_are_the_lane_sums_bit_for_bit(seed, rows, cols):
+    rng = np.random.default_rng(seed)
+    x, y = wide_values(rng, (rows, cols), 300), wide_values(rng, (rows, cols), 300)
+    out = np.full(rows, np.nan)
+    _fused.row_dots(x, y, out)
+    rows_ = zip(x.tolist(), y.tolist(), strict=True)
+    expected = [lane_sum([u * v for u, v in zip(xr, yr, strict=True)]) for xr, yr in rows_]
+    assert out.tolist() == expected
+    assert core._row_dots(x, y).tolist() == expected
+
+
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
+@settings(max_examples=40, deadline=None)
+def test_pair_sums_are_the_lane_sums_and_counts_of_the_differences(seed, rows, cols):
+    rng = np.random.default_rng(seed)
+    a = wide_values(rng, (rows, cols), 60).astype(F32)
+    b = np.where(rng.random((rows, cols)) < 0.5, a, a * (1 + 1e-3 * rng.standard_normal((rows, cols)))).astype(F32)
+    a[rng.random((rows, cols)) < 0.01] = -0.0  # against 0.0 or other values
+    out = np.full((rows, 4), np.nan)
+    changed, top, bottom = _fused.pair_sums(a, b, out)
+    d_all = []
+    for ar, br, sums in zip(a.tolist(), b.tolist(), out.tolist(), strict=True):
+        d = [u - v for u, v in zip(ar, br, strict=True)]  # float32 values as Python floats: exact differences
+        assert sums == [
+            lane_sum([t * t for t in d]),
+            lane_sum([u * u for u in ar]),
+            lane_sum([v * v for v in br]),
+            lane_sum([u * v for u, v in zip(ar, br, strict=True)]),
+        ]
+        d_all += d
+    assert changed == sum(t != 0 for t in d_all)
+    assert (top, bottom) == (max([0.0, *d_all]), min([0.0, *d_all]))
+
+
+def read_only(x: np.ndarray) -> np.ndarray:
+    x.setflags(write=False)
+    return x
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda: _fused.row_dots(np.ones(8, F32), np.ones(8), np.empty(1)), TypeError),  # float32 for float64
+        (lambda: _fused.row_dots(np.ones(8), np.ones(8).astype(">f8"), np.empty(1)), TypeError),  # byte order
+        (lambda: _fused.row_dots(np.ones(8), np.ones(9), np.empty(1)), ValueError),
+        (lambda: _fused.row_dots(np.ones(9), np.ones(9), np.empty(2)), ValueError),  # rows of unequal length
+        (lambda: _fused.row_dots(np.ones(8), np.ones(8), np.empty(0)), ValueError),  # values, but no row
+        (lambda: _fused.row_dots(np.ones(16)[::2], np.ones(8), np.empty(1)), ValueError),  # not contiguous
+        (lambda: _fused.row_dots(np.ones(8), np.ones(8), read_only(np.empty(1))), ValueError),
+        (lambda: _fused.row_dots(np.ones(8), np.ones(8), b"12345678"), BufferError),  # read-only
+        (lambda: _fused.pair_sums(np.ones(8), np.ones(8), np.empty(4)), TypeError),  # float64 for float32
+        (lambda: _fused.pair_sums(np.ones(12, F32), np.ones(12, F32), np.empty(4)), ValueError),  # not 8s
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32), np.empty(3)), ValueError),  # not 4 a row
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(16, F32), np.empty(4)), ValueError),
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32)), TypeError),
+    ],
+)
+def test_the_loops_refuse_buffers_they_cannot_read_whole(call, error):
+    with pytest.raises(error):
+        call()
+
+
+def test_empty_inputs_give_empty_sums():
+    _fused.row_dots(np.empty(0), np.empty(0), np.empty(0))
+    assert _fused.pair_sums(np.empty(0, F32), np.empty(0, F32), np.empty(0)) == (0, 0.0, 0.0)
+
+
+def random_pair(seed: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a = (rng.standard_normal(size) * np.exp(rng.uniform(-8, 8, size))).astype(F32)
+    b = a.copy()
+    changed = rng.random(size) < rng.choice([0.0, 0.01, 0.5])
+    b[changed] = (b[changed] * (1 + 1e-3 * rng.standard_normal(int(changed.sum())))).astype(F32)
+    if size and rng.random() < 0.3:
+        b[int(rng.integers(0, size))] = rng.choice([np.nan, np.inf])
+    return a, b
+
+
+def chunked(a, b, cuts, identical: bool):
+    acc = DiffAccumulator()
+    bounds = [0, *sorted(c for c in cuts if c <= a.size), a.size]
+    for lo, hi in itertools.pairwise(bounds):
+        ca, cb = a[lo:hi], b[lo:hi]
+        if identical and ca.tobytes() == cb.tobytes():
+            acc.add_identical(ca)
+        else:
+            acc.add(ca, cb)
+    return acc.result()
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    size=st.integers(0, 3 * BLOCK + 50),
+    cuts=st.lists(st.integers(0, 3 * BLOCK + 50), max_size=5),
+    identical=st.booleans(),
+)
+@settings(max_examples=30, deadline=None)
+def test_without_the_loops_the_figures_agree_and_keep_their_bits_in_any_chunks(seed, size, cuts, identical):
+    a, b = random_pair(seed, size)
+    fused = chunked(a, b, [], False)
+    with mock.patch.object(core, "_fused", None):
+        plain = chunked(a, b, [], False)
+        assert repr(chunked(a, b, cuts, identical)) == repr(plain)  # BLAS's order: the same on every path
+        norm = NormAccumulator()
+        norm.add(a)
+        plain_norm = norm.result().norm
+    norm = NormAccumulator()
+    norm.add(a)
+    assert norm.result().norm == pytest.approx(plain_norm, rel=1e-15)
+    for name in ("diff_norm", "norm_a", "norm_b", "rel", "cosine", "dot", "max_abs_diff"):
+        x, y = getattr(fused, name), getattr(plain, name)
+        assert x == y or x == pytest.approx(y, rel=1e-15) or (math.isnan(x) and math.isnan(y)), name
+    assert (fused.changed, fused.nan_b, fused.inf_b) == (plain.changed, plain.nan_b, plain.inf_b)

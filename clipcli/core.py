@@ -81,6 +81,8 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # The magnitude bits (bits & 0x7FFF) of a 16-bit float from which it is inf or NaN.
 _INF16 = 0x7C00  # float16's inf; its NaNs lie above
 _NONFINITE16 = {_BFLOAT16: 0x7F80, np.dtype(np.float16): _INF16}
+# What `_fused.square_sums` calls the dtypes it reads.
+_FUSED_KINDS = {np.dtype(np.float32): 0, _BFLOAT16: 1, np.dtype(np.float16): 2}
 
 # Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
 _SCALE_LIMIT = 600
@@ -537,9 +539,15 @@ def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
 
     Returns (sums, e, peak): the blocks' sums of squares are `sums * 2**e` (float64 sums of exact squares,
     each rounded as `_row_dots` adds); None when the values are of another dtype or some are not finite.
-    `x.size` is a multiple of BLOCK.
+    `x.size` is a multiple of BLOCK. `_fused.square_sums` takes them in one pass; without it, NumPy widens
+    pieces of them to float64 first (float16's scaled by 2**-112: its squares and their sums are the same
+    bits times 2**-224).
     """
     sums = np.empty(x.size // BLOCK)
+    kind = _fused_kind(x.dtype)
+    if kind is not None:  # one pass over the values as they are
+        peak = _fused.square_sums(_fused_view(x, kind), sums, kind)
+        return (sums, 0, peak) if math.isfinite(_sum(sums)) else None  # else a NaN or inf
     wide = _scratch(min(x.size, _PIECE), np.float64)
     if x.dtype == np.float32:
         peak = float(max(x.max(), -x.min()))  # NaN when a value is NaN
@@ -572,6 +580,17 @@ def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
     if top >= _NONFINITE16[x.dtype]:
         return None
     return sums, 0 if x.dtype == _BFLOAT16 else 224, float(np.array(top, np.uint16).view(x.dtype))
+
+
+def _fused_kind(dtype: np.dtype) -> int | None:
+    """The kind `_fused` reads values of `dtype` as; None for other dtypes, or when `_fused` was not built."""
+    return None if _fused is None else _FUSED_KINDS.get(dtype)
+
+
+def _fused_view(x: np.ndarray, kind: int) -> np.ndarray:
+    """Values of a `_fused` kind as its loops read them: float32 as they are, 16-bit floats as their bits."""
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint16) if kind else x
 
 
 def _row_squares(w: np.ndarray) -> np.ndarray:
@@ -1622,17 +1641,18 @@ class DiffAccumulator:
         """The fast path for p = 2 and values of float32's range: four dot products per block, NaN and inf aside.
 
         Sums of squares of such values are finite exactly when the values are, so those sums tell when a
-        piece needs the general path. Both paths give the same bits for a block of finite values. Two
-        float32 tensors take one fused pass (`_fused.pair_sums`), without widening them first.
+        piece needs the general path. Both paths give the same bits for a block of finite values. Pairs of
+        float32, bfloat16 and float16 values take one fused pass (`_fused.pair_sums`), widened as it reads.
         """
         sums = np.empty((4, a.size // BLOCK))  # per block: d·d, a·a, b·b, a·b
-        fused = _fused is not None and a.dtype == b.dtype == np.float32
+        kinds = _fused_kind(a.dtype), _fused_kind(b.dtype)
+        fused = None not in kinds
         for start in range(0, a.size, _PAIR_PIECE):
             pa, pb = a[start : start + _PAIR_PIECE], b[start : start + _PAIR_PIECE]
             part = sums[:, start // BLOCK : (start + pa.size) // BLOCK]
             if fused:
                 rows = _scratch(4 * part.shape[1], np.float64, "s").reshape(-1, 4)
-                counts = _fused.pair_sums(np.ascontiguousarray(pa), np.ascontiguousarray(pb), rows)
+                counts = _fused.pair_sums(_fused_view(pa, kinds[0]), _fused_view(pb, kinds[1]), rows, *kinds)
                 if math.isfinite(_sum(rows[:, 1]) + _sum(rows[:, 2])):  # as below: no NaN or inf in the piece
                     part[:] = rows.T
                     self._count_changes(*counts)

@@ -416,6 +416,7 @@ PAIRS = [
     (np.float16, np.float16),
     (F64, F64),
     (F32, BF16),
+    (np.float16, BF16),
     (F64, F32),
     (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
     (np.int32, np.int32),

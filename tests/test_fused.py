@@ -7,6 +7,7 @@ import itertools
 import math
 from unittest import mock
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -46,18 +47,19 @@ def test_row_dots_are_the_lane_sums_bit_for_bit(seed, rows, cols):
     assert core._row_dots(x, y).tolist() == expected
 
 
-@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
-@settings(max_examples=40, deadline=None)
-def test_pair_sums_are_the_lane_sums_and_counts_of_the_differences(seed, rows, cols):
-    rng = np.random.default_rng(seed)
-    a = wide_values(rng, (rows, cols), 60).astype(F32)
-    b = np.where(rng.random((rows, cols)) < 0.5, a, a * (1 + 1e-3 * rng.standard_normal((rows, cols)))).astype(F32)
-    a[rng.random((rows, cols)) < 0.01] = -0.0  # against 0.0 or other values
-    out = np.full((rows, 4), np.nan)
-    changed, top, bottom = _fused.pair_sums(a, b, out)
+# dtype, its kind, and the spread of binary exponents that fits it (subnormals and zeros included)
+KINDS = [(np.float32, 0, 124), (ml_dtypes.bfloat16, 1, 124), (np.float16, 2, 13)]
+
+
+def as_kind(x: np.ndarray, kind: int) -> np.ndarray:
+    return x.view(np.uint16) if kind else x
+
+
+def check_pair_sums(a, b, out, changed, top, bottom) -> None:
+    """pair_sums' figures against Python floats (IEEE doubles) in the lane order; a and b exact float64."""
     d_all = []
     for ar, br, sums in zip(a.tolist(), b.tolist(), out.tolist(), strict=True):
-        d = [u - v for u, v in zip(ar, br, strict=True)]  # float32 values as Python floats: exact differences
+        d = [u - v for u, v in zip(ar, br, strict=True)]  # exact: differences of widened narrow floats
         assert sums == [
             lane_sum([t * t for t in d]),
             lane_sum([u * u for u in ar]),
@@ -67,6 +69,58 @@ def test_pair_sums_are_the_lane_sums_and_counts_of_the_differences(seed, rows, c
         d_all += d
     assert changed == sum(t != 0 for t in d_all)
     assert (top, bottom) == (max([0.0, *d_all]), min([0.0, *d_all]))
+
+
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
+@settings(max_examples=40, deadline=None)
+def test_pair_sums_are_the_lane_sums_and_counts_of_the_differences(seed, rows, cols):
+    rng = np.random.default_rng(seed)
+    a = wide_values(rng, (rows, cols), 60).astype(F32)
+    b = np.where(rng.random((rows, cols)) < 0.5, a, a * (1 + 1e-3 * rng.standard_normal((rows, cols)))).astype(F32)
+    a[rng.random((rows, cols)) < 0.01] = -0.0  # against 0.0 or other values
+    out = np.full((rows, 4), np.nan)
+    changed, top, bottom = _fused.pair_sums(a, b, out, 0, 0)
+    check_pair_sums(a.astype(np.float64), b.astype(np.float64), out, changed, top, bottom)
+
+
+@pytest.mark.parametrize(("kind_a", "kind_b"), list(itertools.product(KINDS, KINDS)))
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
+@settings(max_examples=10, deadline=None)
+def test_pair_sums_of_any_two_kinds(kind_a, kind_b, seed, rows, cols):
+    (dtype_a, ka, spread_a), (dtype_b, kb, spread_b) = kind_a, kind_b
+    rng = np.random.default_rng(seed)
+    spread = min(spread_a, spread_b)
+    a = wide_values(rng, (rows, cols), spread).astype(dtype_a)
+    b = np.where(rng.random((rows, cols)) < 0.5, a, wide_values(rng, (rows, cols), spread)).astype(dtype_b)
+    out = np.full((rows, 4), np.nan)
+    changed, top, bottom = _fused.pair_sums(as_kind(a, ka), as_kind(b, kb), out, ka, kb)
+    check_pair_sums(a.astype(np.float64), b.astype(np.float64), out, changed, top, bottom)
+
+
+@pytest.mark.parametrize(("dtype", "kind", "spread"), KINDS)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
+@settings(max_examples=25, deadline=None)
+def test_square_sums_are_the_lane_sums_and_the_peak(dtype, kind, spread, seed, rows, cols):
+    rng = np.random.default_rng(seed)
+    x = wide_values(rng, (rows, cols), spread).astype(dtype)
+    out = np.full(rows, np.nan)
+    peak = _fused.square_sums(as_kind(x, kind), out, kind)
+    values = x.astype(np.float64)  # exact
+    assert out.tolist() == [lane_sum([v * v for v in row]) for row in values.tolist()]
+    assert peak == float(np.abs(values).max(initial=0.0))
+
+
+@pytest.mark.parametrize(("dtype", "kind", "spread"), KINDS)
+def test_nan_and_inf_make_their_rows_sums_nan_and_inf(dtype, kind, spread):
+    x = np.ones((3, 8), dtype)
+    x[0, 3], x[1, 5] = np.nan, -np.inf
+    out = np.empty(3)
+    _fused.square_sums(as_kind(x, kind), out, kind)
+    assert math.isnan(out[0]) and out[1] == np.inf and out[2] == 8.0
+    pairs = np.empty((3, 4))
+    _fused.pair_sums(as_kind(x, kind), as_kind(np.ones((3, 8), dtype), kind), pairs, kind, kind)
+    assert [math.isnan(s) for s in pairs[0]] == [True, True, False, True] and pairs[0, 2] == 8.0  # B holds 1s
+    assert pairs[1].tolist() == [np.inf, np.inf, 8.0, -np.inf] and pairs[2].tolist() == [0.0, 8.0, 8.0, 8.0]
 
 
 def read_only(x: np.ndarray) -> np.ndarray:
@@ -85,11 +139,18 @@ def read_only(x: np.ndarray) -> np.ndarray:
         (lambda: _fused.row_dots(np.ones(16)[::2], np.ones(8), np.empty(1)), ValueError),  # not contiguous
         (lambda: _fused.row_dots(np.ones(8), np.ones(8), read_only(np.empty(1))), ValueError),
         (lambda: _fused.row_dots(np.ones(8), np.ones(8), b"12345678"), BufferError),  # read-only
-        (lambda: _fused.pair_sums(np.ones(8), np.ones(8), np.empty(4)), TypeError),  # float64 for float32
-        (lambda: _fused.pair_sums(np.ones(12, F32), np.ones(12, F32), np.empty(4)), ValueError),  # not 8s
-        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32), np.empty(3)), ValueError),  # not 4 a row
-        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(16, F32), np.empty(4)), ValueError),
-        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32)), TypeError),
+        (lambda: _fused.pair_sums(np.ones(8), np.ones(8), np.empty(4), 0, 0), TypeError),  # float64 as float32
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32), np.empty(4), 0, 1), TypeError),
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32), np.empty(4), 0, -1), ValueError),
+        (lambda: _fused.pair_sums(np.ones(12, F32), np.ones(12, F32), np.empty(4), 0, 0), ValueError),  # not 8s
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32), np.empty(3), 0, 0), ValueError),  # 4 a row
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(16, F32), np.empty(4), 0, 0), ValueError),
+        (lambda: _fused.pair_sums(np.ones(8, F32), np.ones(8, F32), np.empty(4)), TypeError),
+        (lambda: _fused.square_sums(np.ones(8, F32), np.empty(1), 1), TypeError),  # float32 as 16-bit
+        (lambda: _fused.square_sums(np.ones(8, np.uint16), np.empty(1), 0), TypeError),
+        (lambda: _fused.square_sums(np.ones(8, F32), np.empty(1), 3), ValueError),
+        (lambda: _fused.square_sums(np.ones(12, F32), np.empty(1), 0), ValueError),  # not 8s
+        (lambda: _fused.square_sums(np.ones(8, np.uint32), np.empty(1), 1), TypeError),
     ],
 )
 def test_the_loops_refuse_buffers_they_cannot_read_whole(call, error):
@@ -99,7 +160,8 @@ def test_the_loops_refuse_buffers_they_cannot_read_whole(call, error):
 
 def test_empty_inputs_give_empty_sums():
     _fused.row_dots(np.empty(0), np.empty(0), np.empty(0))
-    assert _fused.pair_sums(np.empty(0, F32), np.empty(0, F32), np.empty(0)) == (0, 0.0, 0.0)
+    assert _fused.square_sums(np.empty(0, F32), np.empty(0), 0) == 0.0
+    assert _fused.pair_sums(np.empty(0, F32), np.empty(0, np.uint16), np.empty(0), 0, 2) == (0, 0.0, 0.0)
 
 
 def random_pair(seed: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,3 +210,32 @@ def test_without_the_loops_the_figures_agree_and_keep_their_bits_in_any_chunks(s
         x, y = getattr(fused, name), getattr(plain, name)
         assert x == y or x == pytest.approx(y, rel=1e-15) or (math.isnan(x) and math.isnan(y)), name
     assert (fused.changed, fused.nan_b, fused.inf_b) == (plain.changed, plain.nan_b, plain.inf_b)
+
+
+def chunked_norm(x: np.ndarray, cuts) -> float:
+    acc = NormAccumulator()
+    bounds = [0, *sorted(c for c in cuts if c <= x.size), x.size]
+    for lo, hi in itertools.pairwise(bounds):
+        acc.add(x[lo:hi])
+    return acc.result().norm
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    size=st.integers(0, 3 * BLOCK + 50),
+    cuts=st.lists(st.integers(0, 3 * BLOCK + 50), max_size=5),
+    kind=st.sampled_from(KINDS),
+    special=st.sampled_from([None, np.nan, np.inf]),
+)
+@settings(max_examples=30, deadline=None)
+def test_norms_without_the_loops_agree_and_keep_their_bits_in_any_chunks(seed, size, cuts, kind, special):
+    dtype, _, spread = kind
+    x = wide_values(np.random.default_rng(seed), size, spread).astype(dtype)
+    if special is not None and size:
+        x[seed % size] = special
+    fused = chunked_norm(x, cuts)
+    assert repr(fused) == repr(chunked_norm(x, []))
+    with mock.patch.object(core, "_fused", None):
+        plain = chunked_norm(x, [])
+        assert repr(chunked_norm(x, cuts)) == repr(plain)
+    assert fused == pytest.approx(plain, rel=1e-15, nan_ok=True)

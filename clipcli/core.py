@@ -1669,17 +1669,17 @@ class DiffAccumulator:
             _row_dots(wa, wb, out=ab)
             d = np.subtract(wa, wb, out=wb)
             _row_dots(d, d, out=dd)
-            top, bottom = float(_max(d, None)), float(_min(d, None))
-            self._count_changes(_count_nonzero(d) if top or bottom else 0, top, bottom)
+            top = float(max(_max(d, None), -_min(d, None)))
+            self._count_changes(_count_nonzero(d) if top else 0, top)
         self._diff.add_many(sums[0])
         self._a._sum.add_many(sums[1])
         self._b._sum.add_many(sums[2])
         _add_signed(self._dot, self._dot_neg, sums[3], np.zeros(sums[3].size, np.int64))
 
-    def _count_changes(self, changed: int, top: float, bottom: float) -> None:
-        """Counts finite differences: how many are not 0, and the largest and smallest (0 when none is)."""
+    def _count_changes(self, changed: int, top: float) -> None:
+        """Counts finite differences: how many are not 0, and the largest magnitude among them."""
         self.changed += changed
-        self.max_abs_diff = max(self.max_abs_diff, top, -bottom)
+        self.max_abs_diff = max(self.max_abs_diff, top)
 
     def _add_identical_blocks(self, x: np.ndarray) -> None:
         if self.p == 2.0:

@@ -1640,23 +1640,23 @@ class DiffAccumulator:
     def _add_squares(self, a: np.ndarray, b: np.ndarray) -> None:
         """The fast path for p = 2 and values of float32's range: four dot products per block, NaN and inf aside.
 
-        Sums of squares of such values are finite exactly when the values are, so those sums tell when a
-        piece needs the general path. Both paths give the same bits for a block of finite values. Pairs of
-        float32, bfloat16 and float16 values take one fused pass (`_fused.pair_sums`), widened as it reads.
+        Pairs of float32, bfloat16 and float16 values take one fused pass (`_fused.pair_sums`, which widens
+        as it reads); other dtypes, or chunks holding NaN or inf, pieces of NumPy passes. Sums of squares of
+        such values are finite exactly when the values are, so those sums tell when a piece needs the general
+        path. Every path gives the same bits for a block of finite values.
         """
-        sums = np.empty((4, a.size // BLOCK))  # per block: d·d, a·a, b·b, a·b
         kinds = _fused_kind(a.dtype), _fused_kind(b.dtype)
-        fused = None not in kinds
+        if None not in kinds:
+            sums = np.empty((a.size // BLOCK, 4))  # per block: d·d, a·a, b·b, a·b
+            counts = _fused.pair_sums(_fused_view(a, kinds[0]), _fused_view(b, kinds[1]), sums, *kinds)
+            if math.isfinite(_sum(sums[:, 1]) + _sum(sums[:, 2])):
+                self._count_changes(*counts)
+                self._add_sums(sums.T)
+                return
+        sums = np.empty((4, a.size // BLOCK))
         for start in range(0, a.size, _PAIR_PIECE):
             pa, pb = a[start : start + _PAIR_PIECE], b[start : start + _PAIR_PIECE]
             part = sums[:, start // BLOCK : (start + pa.size) // BLOCK]
-            if fused:
-                rows = _scratch(4 * part.shape[1], np.float64, "s").reshape(-1, 4)
-                counts = _fused.pair_sums(_fused_view(pa, kinds[0]), _fused_view(pb, kinds[1]), rows, *kinds)
-                if math.isfinite(_sum(rows[:, 1]) + _sum(rows[:, 2])):  # as below: no NaN or inf in the piece
-                    part[:] = rows.T
-                    self._count_changes(*counts)
-                    continue
             wa = _widen(pa)[1].reshape(-1, BLOCK)
             wb = _widen(pb, "b")[1].reshape(-1, BLOCK)  # a scratch buffer of its own: it becomes a − b
             dd, aa, bb, ab = part
@@ -1671,6 +1671,10 @@ class DiffAccumulator:
             _row_dots(d, d, out=dd)
             top = float(max(_max(d, None), -_min(d, None)))
             self._count_changes(_count_nonzero(d) if top else 0, top)
+        self._add_sums(sums)
+
+    def _add_sums(self, sums: np.ndarray) -> None:
+        """Adds blocks' sums of finite values: rows d·d, a·a, b·b and a·b."""
         self._diff.add_many(sums[0])
         self._a._sum.add_many(sums[1])
         self._b._sum.add_many(sums[2])

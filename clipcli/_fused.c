@@ -7,15 +7,15 @@
  * would change the bits; the build turns it off (-ffp-contract=off).
  *
  * Values are float64 rows (row_dots) or rows of one of three kinds, widened exactly to float64 as they are
- * read: 0, float32 (an 'f' buffer); 1, bfloat16 and 2, float16, given as their bits (an 'H' buffer). Rows of
+ * read (from any address: loads go through memcpy): 0, float32 (an 'f' buffer); 1, bfloat16 and 2, float16, given as their bits (an 'H' buffer). Rows of
  * a kind hold a multiple of 8 values; the number of rows is that of the output's sums.
  *
  * row_dots(x, y, out): out[r] = the sum of x[r, i] * y[r, i] over float64 rows.
  * square_sums(x, out, kind) -> peak: out[r] = the sum of x*x over row r; the peak is the largest |x| (NaN
  *   aside: a NaN or inf makes its row's sum NaN or inf).
  * pair_sums(a, b, out, kind_a, kind_b) -> (changed, top): out[r] = (sum d*d, sum a*a, sum b*b, sum a*b)
- *   over rows r of A and B, with d = a - b in float64 (exact for these kinds); returns how many d are not 0
- *   and the largest |d|. For finite values: NaN or inf in a row makes its sums NaN or inf, and the counts
+ *   over rows r of A and B, with d = a - b in float64 (rounded once at most: exact unless a and b lie
+ *   some 29 binades apart); returns how many d are not 0 and the largest |d|. For finite values: NaN or inf in a row makes its sums NaN or inf, and the counts
  *   are then of no use.
  * All release the GIL while they run.
  */
@@ -62,7 +62,8 @@ static inline v4u load_bits16(const void *p, Py_ssize_t i) {
 
 /* Four values at p[i], as float64, of each kind. */
 static inline v4d load_f32(const void *p, Py_ssize_t i) {
-    const float *f = (const float *)p + i;
+    v4f f;
+    memcpy(&f, (const float *)p + i, sizeof f); /* the values may lie anywhere: an .npz member, say */
     return (v4d){f[0], f[1], f[2], f[3]};
 }
 
@@ -100,7 +101,10 @@ CLONES static void dot_rows(const double *x, const double *y, double *out, Py_ss
             q += load64(a + i + 4) * load64(b + i + 4);
         }
         for (Py_ssize_t i = main; i < cols; i++) {
-            double t = a[i] * b[i];
+            double u, v;
+            memcpy(&u, a + i, sizeof u);
+            memcpy(&v, b + i, sizeof v);
+            double t = u * v;
             if (i - main < 4)
                 p[i - main] += t;
             else

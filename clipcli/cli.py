@@ -4,6 +4,7 @@
 # as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
 
 import contextlib
+import importlib.util
 import math
 import os
 import signal
@@ -79,7 +80,9 @@ class DiffSortKey(str, Enum):
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"clipcli {__version__}")
+        # Whether the install compiled clipcli/_fused.c: found without importing NumPy, which it needs.
+        built = importlib.util.find_spec("clipcli._fused") is not None
+        typer.echo(f"clipcli {__version__} ({'compiled loops' if built else 'no compiled loops: NumPy and BLAS'})")
         raise typer.Exit()
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-try:  # the fused loops, compiled at install; where no compiler was, NumPy takes the same sums in the same order
+try:  # the fused loops, compiled at install (clipcli/_fused.c)
     from clipcli import _fused
-except ImportError:  # pragma: no cover - exercised by forcing `_fused = None` in the tests
+except ImportError:  # not built (no compiler): NumPy and BLAS do the same work, summing in BLAS's order
     _fused = None
 
 __all__ = [
@@ -545,8 +545,11 @@ def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
     """
     sums = np.empty(x.size // BLOCK)
     kind = _fused_kind(x.dtype)
-    if kind is not None:  # one pass over the values as they are
-        peak = _fused.square_sums(_fused_view(x, kind), sums, kind)
+    if kind is not None:  # one pass over the values as they are; strided ones a piece at a time, copied
+        peak, step = 0.0, _fused_step(_PIECE, x)
+        for start in range(0, x.size, step):
+            piece = _fused_view(x[start : start + step], kind)
+            peak = max(peak, _fused.square_sums(piece, sums[start // BLOCK : (start + piece.size) // BLOCK], kind))
         return (sums, 0, peak) if math.isfinite(_sum(sums)) else None  # else a NaN or inf
     wide = _scratch(min(x.size, _PIECE), np.float64)
     if x.dtype == np.float32:
@@ -585,6 +588,11 @@ def _square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
 def _fused_kind(dtype: np.dtype) -> int | None:
     """The kind `_fused` reads values of `dtype` as; None for other dtypes, or when `_fused` was not built."""
     return None if _fused is None else _FUSED_KINDS.get(dtype)
+
+
+def _fused_step(piece: int, *arrays: np.ndarray) -> int:
+    """How many values to give a fused loop at a time: all where they lie contiguous, else pieces to copy."""
+    return max(arrays[0].size, 1) if all(x.flags.c_contiguous for x in arrays) else piece
 
 
 def _fused_view(x: np.ndarray, kind: int) -> np.ndarray:
@@ -1641,19 +1649,33 @@ class DiffAccumulator:
         """The fast path for p = 2 and values of float32's range: four dot products per block, NaN and inf aside.
 
         Pairs of float32, bfloat16 and float16 values take one fused pass (`_fused.pair_sums`, which widens
-        as it reads); other dtypes, or chunks holding NaN or inf, pieces of NumPy passes. Sums of squares of
-        such values are finite exactly when the values are, so those sums tell when a piece needs the general
-        path. Every path gives the same bits for a block of finite values.
+        as it reads); other dtypes, and stretches holding NaN or inf, NumPy's passes (`_add_pieces`). Every
+        path gives the same bits for a block of finite values.
         """
+        sums = np.empty((4, a.size // BLOCK))  # per block: d·d, a·a, b·b, a·b
         kinds = _fused_kind(a.dtype), _fused_kind(b.dtype)
-        if None not in kinds:
-            sums = np.empty((a.size // BLOCK, 4))  # per block: d·d, a·a, b·b, a·b
-            counts = _fused.pair_sums(_fused_view(a, kinds[0]), _fused_view(b, kinds[1]), sums, *kinds)
-            if math.isfinite(_sum(sums[:, 1]) + _sum(sums[:, 2])):
-                self._count_changes(*counts)
-                self._add_sums(sums.T)
-                return
-        sums = np.empty((4, a.size // BLOCK))
+        if None in kinds:
+            self._add_pieces(a, b, sums)
+        else:
+            step = _fused_step(_PAIR_PIECE, a, b)
+            for start in range(0, a.size, step):
+                pa, pb = a[start : start + step], b[start : start + step]
+                part = sums[:, start // BLOCK : (start + pa.size) // BLOCK]
+                rows = np.empty((part.shape[1], 4))
+                changed, top = _fused.pair_sums(_fused_view(pa, kinds[0]), _fused_view(pb, kinds[1]), rows, *kinds)
+                if math.isfinite(_sum(rows[:, 1]) + _sum(rows[:, 2])):  # as in `_add_pieces`: no NaN or inf
+                    part[:] = rows.T
+                    self._count_changes(changed, top)
+                else:
+                    self._add_pieces(pa, pb, part)
+        self._add_sums(sums)
+
+    def _add_pieces(self, a: np.ndarray, b: np.ndarray, sums: np.ndarray) -> None:
+        """`_add_squares` by NumPy's passes over pieces of widened values, writing blocks' finite sums to `sums`.
+
+        Sums of squares of values in float32's range are finite exactly when the values are, so those sums
+        tell when a piece needs the general path (`_add_blocks`, which adds it; its blocks' `sums` are 0).
+        """
         for start in range(0, a.size, _PAIR_PIECE):
             pa, pb = a[start : start + _PAIR_PIECE], b[start : start + _PAIR_PIECE]
             part = sums[:, start // BLOCK : (start + pa.size) // BLOCK]
@@ -1671,7 +1693,6 @@ class DiffAccumulator:
             _row_dots(d, d, out=dd)
             top = float(max(_max(d, None), -_min(d, None)))
             self._count_changes(_count_nonzero(d) if top else 0, top)
-        self._add_sums(sums)
 
     def _add_sums(self, sums: np.ndarray) -> None:
         """Adds blocks' sums of finite values: rows d·d, a·a, b·b and a·b."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
+import tracemalloc
 from unittest import mock
 
 import ml_dtypes
@@ -13,10 +17,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clipcli import _fused, core  # the README's install compiles _fused: a failed build fails here
+from clipcli import core
 from clipcli.core import BLOCK, DiffAccumulator, NormAccumulator
 
 F32 = np.float32
+_fused = core._fused
+# Set by .ci/run: there the loops must have been built (pip says nothing when they are not).
+REQUIRED = os.environ.get("CLIPCLI_REQUIRE_FUSED") == "1"
+needs_loops = pytest.mark.skipif(_fused is None, reason="clipcli/_fused.c was not built (no compiler?)")
+
+
+def test_the_compiled_loops_are_built_and_the_version_says_so():
+    if _fused is None and not REQUIRED:
+        pytest.skip("clipcli/_fused.c was not built (no compiler?)")
+    assert _fused is not None, "clipcli/_fused.c was not built: see `pip install -v .`"
+    done = subprocess.run([sys.executable, "-m", "clipcli", "--version"], capture_output=True, text=True, check=True)
+    assert done.stdout.endswith(" (compiled loops)\n")
 
 
 def lane_sum(terms: list[float]) -> float:
@@ -34,6 +50,7 @@ def wide_values(rng: np.random.Generator, shape, spread: int) -> np.ndarray:
     return rng.standard_normal(shape) * np.exp2(rng.integers(-spread, spread, shape))
 
 
+@needs_loops
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.integers(0, 40) | st.just(BLOCK))
 @settings(max_examples=60, deadline=None)
 def test_row_dots_are_the_lane_sums_bit_for_bit(seed, rows, cols):
@@ -59,7 +76,7 @@ def check_pair_sums(a, b, out, changed, top) -> None:
     """pair_sums' figures against Python floats (IEEE doubles) in the lane order; a and b exact float64."""
     d_all = []
     for ar, br, sums in zip(a.tolist(), b.tolist(), out.tolist(), strict=True):
-        d = [u - v for u, v in zip(ar, br, strict=True)]  # exact: differences of widened narrow floats
+        d = [u - v for u, v in zip(ar, br, strict=True)]  # float64 differences, rounded as the loop rounds them
         assert sums == [
             lane_sum([t * t for t in d]),
             lane_sum([u * u for u in ar]),
@@ -71,6 +88,7 @@ def check_pair_sums(a, b, out, changed, top) -> None:
     assert top == max([0.0, *map(abs, d_all)])
 
 
+@needs_loops
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
 @settings(max_examples=40, deadline=None)
 def test_pair_sums_are_the_lane_sums_and_counts_of_the_differences(seed, rows, cols):
@@ -83,6 +101,7 @@ def test_pair_sums_are_the_lane_sums_and_counts_of_the_differences(seed, rows, c
     check_pair_sums(a.astype(np.float64), b.astype(np.float64), out, changed, top)
 
 
+@needs_loops
 @pytest.mark.parametrize(("kind_a", "kind_b"), list(itertools.product(KINDS, KINDS)))
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
 @settings(max_examples=10, deadline=None)
@@ -97,6 +116,7 @@ def test_pair_sums_of_any_two_kinds(kind_a, kind_b, seed, rows, cols):
     check_pair_sums(a.astype(np.float64), b.astype(np.float64), out, changed, top)
 
 
+@needs_loops
 @pytest.mark.parametrize(("dtype", "kind", "spread"), KINDS)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 3), cols=st.sampled_from([8, 64, BLOCK]))
 @settings(max_examples=25, deadline=None)
@@ -110,6 +130,7 @@ def test_square_sums_are_the_lane_sums_and_the_peak(dtype, kind, spread, seed, r
     assert peak == float(np.abs(values).max(initial=0.0))
 
 
+@needs_loops
 @pytest.mark.parametrize(("dtype", "kind", "spread"), KINDS)
 def test_nan_and_inf_make_their_rows_sums_nan_and_inf(dtype, kind, spread):
     x = np.ones((3, 8), dtype)
@@ -128,6 +149,7 @@ def read_only(x: np.ndarray) -> np.ndarray:
     return x
 
 
+@needs_loops
 @pytest.mark.parametrize(
     ("call", "error"),
     [
@@ -158,6 +180,7 @@ def test_the_loops_refuse_buffers_they_cannot_read_whole(call, error):
         call()
 
 
+@needs_loops
 def test_empty_inputs_give_empty_sums():
     _fused.row_dots(np.empty(0), np.empty(0), np.empty(0))
     assert _fused.square_sums(np.empty(0, F32), np.empty(0), 0) == 0.0
@@ -239,3 +262,84 @@ def test_norms_without_the_loops_agree_and_keep_their_bits_in_any_chunks(seed, s
         plain = chunked_norm(x, [])
         assert repr(chunked_norm(x, cuts)) == repr(plain)
     assert fused == pytest.approx(plain, rel=1e-15, nan_ok=True)
+
+
+def exact_sums(acc) -> tuple:
+    """Every exact sum of an accumulator, and its counts: what each block added, to the last bit."""
+    sums = [acc._sum] if isinstance(acc, NormAccumulator) else [acc._a._sum, acc._b._sum, acc._diff, acc._dot]
+    if isinstance(acc, DiffAccumulator):
+        acc._flush()
+        sums.append(acc._dot_neg)
+        counts = (acc.changed, acc.max_abs_diff, acc.nan_diff, acc.inf_diff)
+    else:
+        acc._flush()
+        counts = (acc.max_abs, acc.nan, acc.inf)
+    return tuple((s.acc, s.low) for s in sums) + counts
+
+
+def fed(acc, values, step: int):
+    for start in range(0, values[0].size, step):
+        acc.add(*(v[start : start + step] for v in values))
+    return exact_sums(acc)
+
+
+@pytest.mark.parametrize("dtype", [F32, ml_dtypes.bfloat16, np.float16])
+def test_every_path_adds_a_block_the_same_bits(dtype):
+    """Fused loops, NumPy's pieces, the general path of blocks cut by chunks, and stretches beside a NaN:
+    40 blocks (more than a piece of 32) whose last block holds NaN add the other 39 as those 39 alone do."""
+    rng = np.random.default_rng(11)
+    n = 40 * BLOCK
+    a = (rng.standard_normal(n) * np.exp2(rng.integers(-6, 6, n))).astype(dtype)
+    b = np.where(rng.random(n) < 0.7, a, a.astype(np.float64) * (1 + 1e-2 * rng.standard_normal(n))).astype(dtype)
+    clean = 39 * BLOCK
+    b[clean:] = a[clean:]  # the last block adds no difference
+    a_nan, b_nan = a.copy(), b.copy()
+    a_nan[-5] = b_nan[-5] = np.nan  # the same NaN on both sides: no difference, but the block is set apart
+
+    def paths(make, values, values_nan):
+        ways = [fed(make(), values, n), fed(make(), values, 5000)]  # whole, and cut (blocks in pieces)
+        with mock.patch.dict(core._FUSED_KINDS, clear=True):  # no fused loop: NumPy's pieces
+            ways.append(fed(make(), values, n))
+        nan = fed(make(), values_nan, n)
+        alone = fed(make(), [v[:clean] for v in values], n)
+        return ways, nan, alone
+
+    ways, nan, alone = paths(DiffAccumulator, [a, b], [a_nan, b_nan])
+    assert ways[0] == ways[1] == ways[2]
+    assert nan == alone  # the sums, changed values and max |a - b| of the 39 blocks
+    ways, nan, alone = paths(NormAccumulator, [a], [a_nan])
+    assert ways[0] == ways[1] == ways[2]
+    assert nan[0] == alone[0] and nan[2] == 1  # the sum of the 39 blocks; the NaN counted
+
+
+@pytest.mark.parametrize("dtype", [F32, ml_dtypes.bfloat16, np.float16])
+def test_values_at_any_address_and_stride_give_the_same_bits(dtype):
+    # an .npz member can lie at an odd offset in its archive; a library caller can pass any view
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(3 * BLOCK + 7).astype(dtype)
+    y = (x * dtype(1.5)).astype(dtype)
+    odd = np.frombuffer(b"\0" + x.tobytes(), dtype, offset=1)
+    odd_y = np.frombuffer(b"\0" + y.tobytes(), dtype, offset=1)
+    assert odd.ctypes.data % x.itemsize
+    assert repr(core.global_norm([odd])) == repr(core.global_norm([x]))
+    assert repr(core.diff(odd, odd_y)) == repr(core.diff(x, y))
+    wide = np.repeat(x, 3)[::3]  # the same values, strided
+    assert repr(core.global_norm([wide])) == repr(core.global_norm([x]))
+    assert repr(core.diff(wide, np.repeat(y, 2)[::2])) == repr(core.diff(x, y))
+
+
+def peak_bytes(call) -> int:
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_strided_values_are_copied_a_piece_at_a_time():
+    # not whole: a view of every other value of 32 MiB of float32 is 16 MiB
+    x = np.random.default_rng(13).standard_normal(8 << 20).astype(F32)
+    y = x * F32(1.5)
+    assert peak_bytes(lambda: core.global_norm([x[::2]])) < 4 << 20
+    assert peak_bytes(lambda: core.diff(x[::2], y[::2])) < 8 << 20

@@ -29,10 +29,10 @@ from run import ensure
 
 KINDS = [("f32", "f32", "float32"), ("bf16", "bf16", "bfloat16"), ("f16", "f16", "float16")]
 
-# Innermost native frames that run without the GIL: NumPy's inner loops, BLAS, reads.
+# Innermost native frames that run without the GIL: NumPy's inner loops, BLAS, reads, clipcli's own loops.
 RELEASED = re.compile(
     r"_X86_|_AVX|_contig_cast|_cast_|aligned_|_strided_|_to_|BINARY_|UNARY_|_maximum|_minimum|_bitwise|_shift"
-    r"|_and_|simd_|dot_compute|ddot|openblas|preadv|pread64|__libc_pread|\bread \(libc"
+    r"|_and_|simd_|dot_compute|ddot|openblas|preadv|pread64|__libc_pread|\bread \(libc|_fused\.c"
 )
 LOOP = "loop (clipcli/checkpoint/_engine.py"
 

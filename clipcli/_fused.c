@@ -333,6 +333,15 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", "Fused loops for clipcli's core.", -1, methods};
+static PyModuleDef_Slot slots[] = {
+#ifdef Py_mod_gil /* the module keeps no state: free-threaded Pythons may run it without a GIL */
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
 
-PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&module); }
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fused", "Fused loops for clipcli's core.", 0, methods, slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fused(void) { return PyModuleDef_Init(&module); }

@@ -201,6 +201,22 @@ static int get_buffer(PyObject *obj, Py_buffer *view, const char *format, int wr
     return 0;
 }
 
+/* The buffers of n objects in their formats, the last one writable; on failure none is held. */
+static int get_buffers(int n, PyObject *const *objs, const char *const *formats, Py_buffer *views) {
+    for (int i = 0; i < n; i++)
+        if (get_buffer(objs[i], &views[i], formats[i], i == n - 1) < 0) {
+            while (i--)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    return 0;
+}
+
+static void release_buffers(int n, Py_buffer *views) {
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+}
+
 /* The buffer format of a kind of values; NULL (an error set) for no kind. */
 static const char *kind_format(int kind) {
     if (kind < 0 || kind > 2) {
@@ -227,99 +243,71 @@ static int row_shape(Py_buffer *x, Py_buffer *y, Py_ssize_t rows, Py_ssize_t mul
 }
 
 static PyObject *row_dots(PyObject *self, PyObject *args) {
-    PyObject *ox, *oy, *oout;
-    if (!PyArg_ParseTuple(args, "OOO", &ox, &oy, &oout))
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2]))
         return NULL;
-    Py_buffer x, y, out;
-    if (get_buffer(ox, &x, "d", 0) < 0)
+    const char *formats[3] = {"d", "d", "d"};
+    Py_buffer v[3]; /* x, y, out */
+    if (get_buffers(3, objs, formats, v) < 0)
         return NULL;
-    if (get_buffer(oy, &y, "d", 0) < 0) {
-        PyBuffer_Release(&x);
-        return NULL;
-    }
-    if (get_buffer(oout, &out, "d", 1) < 0) {
-        PyBuffer_Release(&x);
-        PyBuffer_Release(&y);
-        return NULL;
-    }
-    Py_ssize_t rows = out.len / 8, cols;
+    Py_ssize_t rows = v[2].len / 8, cols;
     PyObject *result = NULL;
-    if (row_shape(&x, &y, rows, 1, &cols) == 0) {
+    if (row_shape(&v[0], &v[1], rows, 1, &cols) == 0) {
         Py_BEGIN_ALLOW_THREADS
-        dot_rows(x.buf, y.buf, out.buf, rows, cols);
+        dot_rows(v[0].buf, v[1].buf, v[2].buf, rows, cols);
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&y);
-    PyBuffer_Release(&out);
+    release_buffers(3, v);
     return result;
 }
 
 static PyObject *square_sums(PyObject *self, PyObject *args) {
-    PyObject *ox, *oout;
+    PyObject *objs[2];
     int kind;
-    if (!PyArg_ParseTuple(args, "OOi", &ox, &oout, &kind))
+    if (!PyArg_ParseTuple(args, "OOi", &objs[0], &objs[1], &kind))
         return NULL;
-    const char *format = kind_format(kind);
-    if (format == NULL)
+    const char *formats[2] = {kind_format(kind), "d"};
+    Py_buffer v[2]; /* x, out */
+    if (formats[0] == NULL || get_buffers(2, objs, formats, v) < 0)
         return NULL;
-    Py_buffer x, out;
-    if (get_buffer(ox, &x, format, 0) < 0)
-        return NULL;
-    if (get_buffer(oout, &out, "d", 1) < 0) {
-        PyBuffer_Release(&x);
-        return NULL;
-    }
-    Py_ssize_t rows = out.len / 8, cols;
+    Py_ssize_t rows = v[1].len / 8, cols;
     PyObject *result = NULL;
-    if (row_shape(&x, &x, rows, 8, &cols) == 0) {
+    if (row_shape(&v[0], &v[0], rows, 8, &cols) == 0) {
         double peak;
         Py_BEGIN_ALLOW_THREADS
-        peak = SQUARE_ROWS[kind](x.buf, out.buf, rows, cols);
+        peak = SQUARE_ROWS[kind](v[0].buf, v[1].buf, rows, cols);
         Py_END_ALLOW_THREADS
         result = PyFloat_FromDouble(peak);
     }
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&out);
+    release_buffers(2, v);
     return result;
 }
 
 static PyObject *pair_sums(PyObject *self, PyObject *args) {
-    PyObject *oa, *ob, *oout;
+    PyObject *objs[3];
     int kind_a, kind_b;
-    if (!PyArg_ParseTuple(args, "OOOii", &oa, &ob, &oout, &kind_a, &kind_b))
+    if (!PyArg_ParseTuple(args, "OOOii", &objs[0], &objs[1], &objs[2], &kind_a, &kind_b))
         return NULL;
-    const char *format_a = kind_format(kind_a), *format_b = format_a ? kind_format(kind_b) : NULL;
-    if (format_b == NULL)
+    const char *formats[3] = {kind_format(kind_a), NULL, "d"};
+    if (formats[0] == NULL || (formats[1] = kind_format(kind_b)) == NULL)
         return NULL;
-    Py_buffer a, b, out;
-    if (get_buffer(oa, &a, format_a, 0) < 0)
+    Py_buffer v[3]; /* a, b, out */
+    if (get_buffers(3, objs, formats, v) < 0)
         return NULL;
-    if (get_buffer(ob, &b, format_b, 0) < 0) {
-        PyBuffer_Release(&a);
-        return NULL;
-    }
-    if (get_buffer(oout, &out, "d", 1) < 0) {
-        PyBuffer_Release(&a);
-        PyBuffer_Release(&b);
-        return NULL;
-    }
-    Py_ssize_t rows = out.len / 32, cols;
+    Py_ssize_t rows = v[2].len / 32, cols;
     PyObject *result = NULL;
-    if (out.len % 32 != 0)
+    if (v[2].len % 32 != 0)
         PyErr_SetString(PyExc_ValueError, "the output must hold four sums a row");
-    else if (row_shape(&a, &b, rows, 8, &cols) == 0) {
+    else if (row_shape(&v[0], &v[1], rows, 8, &cols) == 0) {
         double top;
         int64_t changed;
         Py_BEGIN_ALLOW_THREADS
-        changed = PAIR_ROWS[kind_a][kind_b](a.buf, b.buf, out.buf, rows, cols, &top);
+        changed = PAIR_ROWS[kind_a][kind_b](v[0].buf, v[1].buf, v[2].buf, rows, cols, &top);
         Py_END_ALLOW_THREADS
         result = Py_BuildValue("Ld", (long long)changed, top);
     }
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    PyBuffer_Release(&out);
+    release_buffers(3, v);
     return result;
 }
 

@@ -1751,8 +1751,7 @@ class DiffAccumulator:
             self.nan_diff += int(np.count_nonzero(nan))
             self.inf_diff += int(np.count_nonzero(np.isinf(d) & ~(np.isfinite(wa) & np.isfinite(wb))))
             top = float(np.abs(d[~nan]).max(initial=0.0))  # inf where finite values' difference overflows
-        self.max_abs_diff = max(self.max_abs_diff, top)
-        self.changed += _count_nonzero(d)
+        self._count_changes(_count_nonzero(d), top)
         return d
 
     def _add_blocks(self, wa: np.ndarray, wb: np.ndarray, d: np.ndarray) -> None:

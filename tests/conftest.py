@@ -58,3 +58,68 @@ def first_tensor_norm_and_peak(path: Path):
     finally:
         tracemalloc.stop()
     return acc.result(), peak
+
+
+class Bounded:
+    """What a clipcli process did under a time and memory limit: its exit code, output, peak RSS and time."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str, peak_mb: float, seconds: float):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.peak_mb, self.seconds = peak_mb, seconds
+
+    def __repr__(self) -> str:
+        return (
+            f"Bounded(rc={self.returncode}, peak={self.peak_mb:.0f} MB, {self.seconds:.1f} s, stderr={self.stderr!r})"
+        )
+
+
+def run_bounded(*args: object, seconds: float = 10, memory_mb: int = 1024, cwd: Path | None = None) -> Bounded:
+    """Run `python -m clipcli ARGS` with its address space capped at `memory_mb` and killed after `seconds`.
+
+    For hostile files: a hang comes back as returncode -9 (killed), a bomb as a MemoryError or a kill, both
+    of which the caller's `assert r.returncode == 3` reports with the process's stderr. `peak_mb` is the
+    child's own peak resident size (wait4), so a test can also hold a file to "a few hundred MB".
+    """
+    import os
+    import resource
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "OPENBLAS_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clipcli", *map(str, args)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env=env,
+            cwd=cwd,
+            preexec_fn=limit,
+        )
+        deadline = start + seconds
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.01)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        elapsed = time.monotonic() - start
+        out.seek(0)
+        err.seek(0)
+        return Bounded(
+            proc.returncode,
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+            usage.ru_maxrss / 1024,
+            elapsed,
+        )

@@ -541,7 +541,6 @@ def _clip(ctx: typer.Context, run: Callable[..., "CheckpointReport"], passes: in
     if o["output"] is None and not (in_place or dry_run):
         _usage("missing; give -o OUT, --in-place or --dry-run", "-o/--output")
     with open_checkpoint(Path(o["checkpoint"])) as ckpt:
-        commands.check_clippable(ckpt)  # before the output is looked at: --in-place says the same
         if o["drop_metadata"]:
             ckpt.metadata = {}
         target = None

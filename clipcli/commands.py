@@ -142,20 +142,6 @@ def _select(ckpt: Checkpoint, selection: Selection, real_only: bool = False) -> 
     return selected, skipped
 
 
-def check_clippable(ckpt: Checkpoint) -> None:
-    """Refuses a checkpoint the clip commands do not clip (a distributed one), with what to do instead.
-
-    Raises:
-        UnsupportedError: for a distributed checkpoint.
-    """
-    if ckpt.format == "distcp":
-        raise UnsupportedError(
-            "clipcli does not clip a distributed checkpoint; convert it first "
-            f"(clipcli convert {printable(str(ckpt.path))} -o consolidated.safetensors) and clip that",
-            ckpt.path,
-        )
-
-
 def _select_to_clip(
     ckpt: Checkpoint, selection: Selection, real_only: bool = False
 ) -> tuple[list[TensorInfo], list[Skipped]]:
@@ -164,7 +150,6 @@ def _select_to_clip(
     Raises:
         UsageError: when no floating tensor is selected.
     """
-    check_clippable(ckpt)
     selected, skipped = _select(ckpt, selection, real_only)
     if not selected:
         kinds = "real floating" if real_only else "floating or complex"

@@ -16,7 +16,7 @@ import numpy as np
 from clipcli import core
 from clipcli.checkpoint import Checkpoint, Place, TensorInfo, byte_layout, check_plan, placed, save
 from clipcli.checkpoint._engine import run, run_pairs
-from clipcli.errors import CheckFailedError, UnsupportedError, UsageError
+from clipcli.errors import CheckFailedError, UsageError
 from clipcli.report import (
     CheckpointReport,
     DiffGroup,

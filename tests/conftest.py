@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import struct
 import tracemalloc
+import zipfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import safetensors.numpy
@@ -123,3 +127,148 @@ def run_bounded(*args: object, seconds: float = 10, memory_mb: int = 1024, cwd: 
             usage.ru_maxrss / 1024,
             elapsed,
         )
+
+
+# -- torch.save files and distributed checkpoints written by hand (no torch needed) ----------------------
+
+
+class PickleGlobal(NamedTuple):
+    """A GLOBAL opcode in a hand-written pickle."""
+
+    module: str
+    name: str
+
+
+class PickleCall(NamedTuple):
+    """A REDUCE of `func` on `args`."""
+
+    func: Any
+    args: tuple
+
+
+class PickleObj(NamedTuple):
+    """A dataclass as pickle writes one: NEWOBJ of its class with no arguments, then BUILD `state`."""
+
+    cls: PickleGlobal
+    state: Any
+
+
+class PickleDict(NamedTuple):
+    """A dict of (key, value) pairs whose keys need not be hashable here."""
+
+    items: list
+
+
+class PicklePid(NamedTuple):
+    """A BINPERSID of a persistent id."""
+
+    value: Any
+
+
+def pickle_ops(x: Any) -> bytes:
+    """Protocol-2 opcodes that build `x` (no memo): plain data and the records above, nested in any way."""
+    if isinstance(x, PickleGlobal):
+        return b"c" + x.module.encode() + b"\n" + x.name.encode() + b"\n"
+    if isinstance(x, PickleCall):
+        return pickle_ops(x.func) + pickle_ops(tuple(x.args)) + b"R"
+    if isinstance(x, PickleObj):
+        return pickle_ops(x.cls) + b")\x81" + pickle_ops(x.state) + b"b"
+    if isinstance(x, PicklePid):
+        return pickle_ops(x.value) + b"Q"
+    if isinstance(x, PickleDict):
+        return b"}" + (b"(" + b"".join(pickle_ops(k) + pickle_ops(v) for k, v in x.items) + b"u" if x.items else b"")
+    if isinstance(x, tuple):
+        return b"(" + b"".join(pickle_ops(v) for v in x) + b"t"
+    if isinstance(x, list):
+        return b"]" + (b"(" + b"".join(pickle_ops(v) for v in x) + b"e" if x else b"")
+    if isinstance(x, dict):
+        return pickle_ops(PickleDict(list(x.items())))
+    return pickle.dumps(x, protocol=2)[2:-1]  # plain data: what pickle writes for it, without PROTO and STOP
+
+
+_STORAGES = {"float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage", "int64": "LongStorage"}
+
+
+def torch_view(dtype: str, numel: int, shape: tuple[int, ...], strides: tuple[int, ...], offset: int = 0) -> Any:
+    """A tensor `_rebuild_tensor_v2` makes: a view (`shape`, `strides`, `offset`) of storage "0" of `numel` elements."""
+    pid = PicklePid(("storage", PickleGlobal("torch", _STORAGES[dtype]), "0", "cpu", numel))
+    rebuild = PickleGlobal("torch._utils", "_rebuild_tensor_v2")
+    ordered = PickleCall(PickleGlobal("collections", "OrderedDict"), ())
+    return PickleCall(rebuild, (pid, offset, tuple(shape), tuple(strides), False, ordered))
+
+
+def torch_zip(obj: Any, storages: dict[str, bytes]) -> bytes:
+    """A torch.save zip file of a pickled object and its storages, laid out as torch writes one."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02" + pickle_ops(obj) + b".")
+        z.writestr("archive/byteorder", "little")
+        for key, data in storages.items():
+            z.writestr(f"archive/data/{key}", data)
+        z.writestr("archive/version", "3\n")
+    return buffer.getvalue()
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+def _dcp_obj(cls: str, state: Any, module: str = _DCP) -> PickleObj:
+    return PickleObj(PickleGlobal(module, cls), state)
+
+
+def _size(dims: tuple[int, ...]) -> PickleCall:
+    return PickleCall(PickleGlobal("torch", "Size"), (tuple(dims),))
+
+
+def dcp_metadata(
+    tensors: dict[str, tuple[str, tuple[int, ...], list]], storage: dict[tuple[str, tuple], tuple]
+) -> bytes:
+    """A `.metadata` pickle: tensors (dtype, global shape, chunks as (offsets, sizes)), and where each chunk
+    (name, offsets) lies: (relative path, offset, length)."""
+    dtypes = {"float32": "float32", "float64": "float64", "float16": "float16", "int64": "int64"}
+    sd = {}
+    for name, (dtype, shape, chunks) in tensors.items():
+        layout = PickleCall(PickleGlobal("torch.serialization", "_get_layout"), ("torch.strided",))
+        memory = PickleCall(PickleGlobal(_DCP, "_MEM_FORMAT_ENCODING"), (0,))
+        properties = _dcp_obj("TensorProperties", (PickleGlobal("torch", dtypes[dtype]), layout, False, memory, False))
+        chunk_list = [_dcp_obj("ChunkStorageMetadata", {"offsets": _size(o), "sizes": _size(s)}) for o, s in chunks]
+        sd[name] = _dcp_obj(
+            "TensorStorageMetadata", {"properties": properties, "size": _size(shape), "chunks": chunk_list}
+        )
+    data = PickleDict(
+        [
+            (
+                _dcp_obj("MetadataIndex", {"fqn": name, "offset": _size(offsets)}),
+                _dcp_obj(
+                    "_StorageInfo",
+                    {"relative_path": path, "offset": at, "length": length},
+                    "torch.distributed.checkpoint.filesystem",
+                ),
+            )
+            for (name, offsets), (path, at, length) in storage.items()
+        ]
+    )
+    state = {"state_dict_metadata": sd, "planner_data": None, "storage_data": data, "version": "1.0.0"}
+    return b"\x80\x02" + pickle_ops(_dcp_obj("Metadata", state)) + b"."
+
+
+def dcp_checkpoint(directory: Path, tensors: dict[str, tuple[tuple[int, ...], list]]) -> Path:
+    """A distributed checkpoint in one `.distcp` file: per tensor its global shape and chunks, each
+    (offsets, values) or (offsets, values, strides): a chunk saved as a view of `values`' bytes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    blob = bytearray()
+    listed, storage = {}, {}
+    for name, (shape, chunks) in tensors.items():
+        boxes = []
+        for offsets, values, *strides in chunks:
+            values = np.ascontiguousarray(values)
+            sizes = values.shape if not strides else strides[0][0]
+            view = strides[0][1] if strides else tuple(s // max(values.itemsize, 1) for s in values.strides)
+            data = torch_zip(torch_view(values.dtype.name, values.size, sizes, view), {"0": values.tobytes()})
+            storage[(name, tuple(offsets))] = ("__0_0.distcp", len(blob), len(data))
+            boxes.append((tuple(offsets), tuple(sizes)))
+            blob += data
+        listed[name] = (chunks[0][1].dtype.name, tuple(shape), boxes)
+    (directory / "__0_0.distcp").write_bytes(bytes(blob))
+    (directory / ".metadata").write_bytes(dcp_metadata(listed, storage))
+    return directory

@@ -26,9 +26,9 @@ import numpy as np
 from clipcli.checkpoint import _engine, _npy, _npz, _safetensors, _sharded
 from clipcli.checkpoint._engine import CHUNK_BYTES, as_values, geometry, spans
 from clipcli.checkpoint._files import (
+    Copy,
     Pieces,
     Span,
-    Strided,
     ZipMember,
     atomic_write,
     crc32_of_parts,
@@ -86,10 +86,10 @@ _MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are writt
 class TensorInfo:
     """A tensor as its file's header describes it; `array_dtype` is None for types carried as bytes.
 
-    `location` says where its bytes lie (a `Span` of the file, a `Strided` view, or a `ZipMember`
-    stream); `stored_dtype` is the byte order they are stored in when it is not the native one. A
-    tensor with a `skip` reason (a sparse or quantized PyTorch tensor) is listed but has no values;
-    `storage` names the storage it shares with other tensors (tied weights), if it does. `compression`
+    `location` says where its bytes lie (a `Span` of the file, `Pieces` of files or a strided view of
+    one storage, or a `ZipMember` stream); `stored_dtype` is the byte order they are stored in when it is
+    not the native one. A tensor with a `skip` reason (a sparse or quantized PyTorch tensor) is listed but
+    has no values; `storage` names the storage it shares with other tensors (tied weights), if it does. `compression`
     is the method of the .npz member it came from (kept when written to .npz) and `prefix` the header
     bytes a type carried as bytes had in it (written back as they were).
     """
@@ -194,7 +194,7 @@ class Checkpoint:
 
     def random_access(self, t: TensorInfo) -> bool:
         """Whether the tensor's bytes can be read anywhere by any worker (else only in order)."""
-        return isinstance(t.location, Span) or (isinstance(t.location, Pieces) and not t.location.whole)
+        return isinstance(t.location, Span) or (isinstance(t.location, Pieces) and not t.location.strided)
 
     def chunks(self, info: TensorInfo, max_bytes: int = CHUNK_BYTES, align: int = 1) -> Iterator[np.ndarray]:
         """The tensor's values as flat arrays in storage order, each at most about `max_bytes`.
@@ -207,13 +207,13 @@ class Checkpoint:
             MalformedError: when the file turns out shorter than its header said, or its data damaged.
         """
         dtype, per_chunk = geometry(info, max_bytes, align)
-        if isinstance(info.location, Strided):
-            yield from self._strided_chunks(info, dtype, per_chunk)
-            return
-        if isinstance(info.location, Pieces) and info.location.whole:
-            yield from self._assembled_chunks(info, dtype, per_chunk)
-            return
         buf = np.empty(per_chunk, dtype=np.uint8)
+        if isinstance(info.location, Pieces) and info.location.strided:
+            held: dict[int, np.ndarray] = {}  # the strided pieces read whole, while reads still take them
+            for offset, n in spans(info.nbytes, per_chunk):
+                self._gather(info, offset, buf[:n], held)
+                yield as_values(buf[:n], dtype)
+            return
         if self.random_access(info):
             for offset, n in spans(info.nbytes, per_chunk):
                 self.pread(info, offset, buf[:n])
@@ -226,41 +226,6 @@ class Checkpoint:
                 yield as_values(buf[:n], dtype)
         finally:
             stream.close()
-
-    def _strided_chunks(self, info: TensorInfo, dtype: np.dtype, per_chunk: int) -> Iterator[np.ndarray]:
-        """A view with gaps or another order: its bytes read whole, its values in C order, in chunks."""
-        loc = info.location
-        raw = np.empty(loc.span, np.uint8)
-        self.pread(_Whole(info, Span(loc.offset)), 0, raw)
-        strides = tuple(s * dtype.itemsize for s in loc.strides)
-        view = np.lib.stride_tricks.as_strided(
-            raw.view(dtype) if loc.span else raw[:0].view(dtype), info.shape, strides
-        )
-        flat = as_values(np.ascontiguousarray(view).reshape(-1).view(np.uint8), dtype)
-        step = max(per_chunk // dtype.itemsize, 1)
-        for start in range(0, flat.size, step):
-            yield flat[start : start + step]
-
-    def _assembled_chunks(self, info: TensorInfo, dtype: np.dtype, per_chunk: int) -> Iterator[np.ndarray]:
-        """A tensor in pieces of which one is strided: put together whole, then its values in chunks."""
-        loc = info.location
-        whole = np.empty(info.shape, dtype)
-        for piece in loc.pieces:
-            strides, span = piece.strided or (
-                tuple(math.prod(piece.sizes[j + 1 :]) for j in range(len(piece.sizes))),
-                0,
-            )
-            span = span or math.prod(piece.sizes) * dtype.itemsize
-            raw = np.empty(span, np.uint8)
-            self._read_at(piece.file, piece.offset, memoryview(raw), info)
-            values = np.lib.stride_tricks.as_strided(
-                raw.view(dtype), piece.sizes, [s * dtype.itemsize for s in strides]
-            )
-            whole[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes, strict=True))] = values
-        flat = as_values(whole.reshape(-1).view(np.uint8), dtype)
-        step = max(per_chunk // dtype.itemsize, 1)
-        for start in range(0, flat.size, step):
-            yield flat[start : start + step]
 
     def map_chunks(
         self,
@@ -281,16 +246,44 @@ class Checkpoint:
                 it has been read.
         """
         loc = t.location
-        view = memoryview(buf)
         if isinstance(loc, Pieces):
-            item = loc.itemsize
-            for file, at, element, count in loc.runs(offset // item, (offset + buf.size) // item):
-                start = element * item - offset
-                self._read_at(file, at, view[start : start + count * item], t)
+            self._gather(t, offset, buf)
             return
+        view = memoryview(buf)
         self._read_at(t.file, loc.offset + offset, view, t)
         if loc.crc is not None:
             self._check_crc(t, offset, view)
+
+    def _gather(self, t: TensorInfo, offset: int, buf: np.ndarray, held: dict[int, np.ndarray] | None = None) -> None:
+        """Fills `buf` with the bytes of a tensor in `Pieces` from `offset` on: of each piece it touches, one
+        contiguous read, scattered into place by strides (or read straight into place where it lies so).
+
+        `held` (reads in order only): strided pieces read whole and kept, for a piece whose every read would
+        take most of its bytes (a transposed view); only those this read touched stay.
+        """
+        loc = t.location
+        item = loc.itemsize
+        used = set()
+        for c in loc.copies(offset // item, (offset + buf.size) // item):
+            piece = loc.pieces[c.piece]
+            if c.direct:
+                self._read_at(
+                    piece.file, piece.offset + c.at * item, memoryview(buf)[c.target * item :][: c.count * item], t
+                )
+                continue
+            if held is not None and piece.strided and c.window > 4 * c.count:
+                used.add(c.piece)
+                if c.piece not in held:
+                    held[c.piece] = np.empty(piece.strided[1], np.uint8)
+                    self._read_at(piece.file, piece.offset, memoryview(held[c.piece]), t)
+                raw = held[c.piece][c.at * item : (c.at + c.window) * item]
+            else:
+                raw = np.empty(c.window * item, np.uint8)
+                self._read_at(piece.file, piece.offset + c.at * item, memoryview(raw), t)
+            _scatter(raw, c, buf, item)
+        if held is not None:
+            for k in set(held) - used:
+                del held[k]
 
     def _read_at(self, file: str, at: int, view: memoryview, t: Any) -> None:
         fd = self._acquire(file)
@@ -396,19 +389,12 @@ class Checkpoint:
             raise MalformedError(f"corrupt zip member ({_one_line(e)})", info.file, info.name) from e
 
 
-class _Whole(NamedTuple):
-    """A tensor's bytes read as a plain span (the storage under a strided view)."""
-
-    info: TensorInfo
-    location: Span
-
-    @property
-    def file(self) -> str:
-        return self.info.file
-
-    @property
-    def name(self) -> str:
-        return self.info.name
+def _scatter(raw: np.ndarray, c: Copy, buf: np.ndarray, item: int) -> None:
+    """Puts a copy's elements from the window of bytes read (`raw`) into the read's buffer, by strides."""
+    cell = np.dtype((np.void, item))
+    source = np.lib.stride_tricks.as_strided(raw.view(cell), c.sizes, [s * item for s in c.source])
+    target = buf[c.target * item :].view(cell)
+    np.copyto(np.lib.stride_tricks.as_strided(target, c.sizes, [s * item for s in c.target_strides]), source)
 
 
 def _one_line(e: BaseException) -> str:

@@ -103,7 +103,7 @@ class DcpTensor:
 
 def open_directory(directory: Path) -> tuple[dict[str, str], list[Any]]:
     """The metadata and tensors of a distributed checkpoint, each tensor read in its own C order from its
-    chunks (`Pieces`), never consolidated; a tensor with a chunk that is a strided view is read whole."""
+    chunks (`Pieces`), never consolidated."""
     from clipcli.checkpoint import TensorInfo
 
     metadata, tensors = read_dcp(directory)
@@ -115,7 +115,7 @@ def open_directory(directory: Path) -> tuple[dict[str, str], list[Any]]:
             out.append(TensorInfo(t.name, t.dtype_name, t.shape, nbytes, first, None, skip=t.skip_reason))
             continue
         pieces = tuple(_piece(c) for c in t.chunks if math.prod(c.sizes))
-        location = Pieces(t.shape, t.dtype.itemsize, pieces, whole=not all(is_contiguous(c.tensor) for c in t.chunks))
+        location = Pieces(t.shape, t.dtype.itemsize, pieces)
         big = any(c.tensor.big_endian for c in t.chunks) and t.dtype.itemsize > 1
         info = TensorInfo(t.name, t.dtype_name, t.shape, nbytes, first, t.dtype, location=location)
         out.append(dataclasses.replace(info, stored_dtype=t.dtype.newbyteorder(">") if big else None))

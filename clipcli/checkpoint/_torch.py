@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import Span, Strided, sniff, zip_data_start
+from clipcli.checkpoint._files import Piece, Pieces, Span, sniff, zip_data_start
 from clipcli.checkpoint._pickle import (
     MAX_DEPTH,
     PLAIN_GLOBALS,
@@ -598,8 +598,9 @@ class _Region:
 def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[str, str], list[Any]]:
     """The metadata and tensors of a torch.save file (or one at bytes [start, end) of a larger file).
 
-    A view that is contiguous reads like any tensor (in chunks, by any worker); one with gaps or another
-    order (a slice with a step, a transpose) is read whole. Names on one storage (tied weights) are
+    A view that is contiguous reads like any tensor (in chunks, by any worker); one with gaps, in another
+    order or with values repeated (a slice with a step, a transpose, an expand) is read in order, in chunks,
+    from its storage's bytes (`Pieces` of one strided piece). Names on one storage (tied weights) are
     separate tensors that know whom they share it with.
     """
     from clipcli.checkpoint import TensorInfo
@@ -614,8 +615,7 @@ def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[
         location: Any = None
         if dtype is not None:
             start_byte, end_byte = view_byte_range(t)
-            whole = is_contiguous(t)
-            location = Span(start_byte) if whole else Strided(start_byte, t.strides, end_byte - start_byte)
+            location = Span(start_byte) if is_contiguous(t) else _strided(t, str(path), start_byte, end_byte)
         stored = dtype.newbyteorder(">") if dtype is not None and t.big_endian and dtype.itemsize > 1 else None
         out.append(
             TensorInfo(
@@ -632,6 +632,12 @@ def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[
             )
         )
     return metadata, out
+
+
+def _strided(t: TorchTensor, path: str, start: int, end: int) -> Pieces:
+    """A view with gaps, in another order or with values repeated: one strided piece of its storage's bytes."""
+    view = Piece((0,) * len(t.shape), t.shape, path, start, (t.strides, end - start))
+    return Pieces(t.shape, t.dtype.itemsize, (view,))
 
 
 def read_torch(

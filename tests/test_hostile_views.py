@@ -1,0 +1,169 @@
+"""Strided views and distributed checkpoints under hostile or heavy layouts (issue 22, items 6, 7, 11, 23)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from clipcli.checkpoint._files import Piece, Pieces
+from clipcli.cli import app
+from tests.conftest import dcp_checkpoint, run_bounded, torch_view, torch_zip
+
+
+def cli(*args: object) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, [str(a) for a in args], env={"NO_COLOR": "1", "COLUMNS": "100"})
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def view_file(path, storage: np.ndarray, shape, strides, offset=0):
+    """A torch.save file of one view (`shape`, `strides` and `offset` in elements) of `storage`'s bytes."""
+    obj = torch_view(storage.dtype.name, storage.size, tuple(shape), tuple(strides), offset)
+    path.write_bytes(torch_zip(obj, {"0": storage.tobytes()}))
+    return path
+
+
+def numpy_view(storage: np.ndarray, shape, strides, offset=0) -> np.ndarray:
+    item = storage.itemsize
+    return np.lib.stride_tricks.as_strided(storage[offset:], shape, [s * item for s in strides])
+
+
+# -- item 6: strided views streamed, never materialized ---------------------------------------------------
+
+
+def test_an_expanded_scalar_is_normed_in_bounded_memory(tmp_path):
+    # issue 22 item 6: torch.save(x.expand(2**29)) (a 4-byte storage) took 2 GB: its view was made whole
+    n = 1 << 29
+    path = tmp_path / "expand.pt"
+    path.write_bytes(torch_zip(torch_view("float32", 1, (n,), (0,)), {"0": struct.pack("<f", 3.0)}))
+    r = run_bounded("global-norm", path, "--format", "json", seconds=60, memory_mb=1500)
+    assert r.returncode == 0, r
+    assert json.loads(r.stdout)["checkpoints"][0]["global_norm"] == math.sqrt(9.0 * n)  # exact
+    assert r.peak_mb < 300, r
+    assert r.seconds < 30, r
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides", "offset"),
+    [
+        ((50, 30), (1, 50), 0),  # a transpose
+        ((3, 4, 5), (1, 3, 12), 0),  # the axes reversed
+        ((10, 7), (14, 2), 3),  # every other row and column, from an offset
+        ((4, 6), (0, 1), 2),  # a row repeated (expand)
+        ((2, 1, 3, 1), (0, 5, 1, 9), 1),  # dimensions of one element with any stride
+        ((5, 3), (1, 0), 0),  # each value repeated
+    ],
+)
+def test_views_read_as_numpy_sees_them(tmp_path, shape, strides, offset):
+    # issue 22 item 6: views are read chunk by chunk from their storage; the values are NumPy's
+    storage = np.arange(2000, dtype=np.float32) - 777.5
+    path = view_file(tmp_path / "v.pt", storage, shape, strides, offset)
+    want = numpy_view(storage, shape, strides, offset)
+    with open_checkpoint(path) as ckpt:
+        (t,) = ckpt.tensors
+        assert np.array_equal(ckpt.read(t), want)
+        for max_bytes in (4, 12, 40, 1 << 20):
+            got = np.concatenate([c.copy() for c in ckpt.chunks(t, max_bytes)])
+            assert np.array_equal(got, want.reshape(-1))
+    code, _, err = cli("convert", path, "-o", tmp_path / "v.safetensors", "--quiet")
+    assert code == 0, err
+    with open_checkpoint(tmp_path / "v.safetensors") as out:
+        assert np.array_equal(out.read(out.tensors[0]), want)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_any_strided_view_reads_right(tmp_path_factory, data):
+    # issue 22 item 6: any view (non-negative strides, gaps, repeats, another order), any chunk size
+    shape = tuple(data.draw(st.lists(st.integers(0, 5), min_size=0, max_size=4)))
+    strides = tuple(data.draw(st.integers(0, 40)) for _ in shape)
+    offset = data.draw(st.integers(0, 3))
+    span = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1 if math.prod(shape) else 1
+    storage = np.random.default_rng(0).standard_normal(max(span, 1))
+    path = view_file(tmp_path_factory.mktemp("view") / "v.pt", storage, shape, strides, offset)
+    want = numpy_view(storage, shape, strides, offset).reshape(-1)
+    with open_checkpoint(path) as ckpt:
+        (t,) = ckpt.tensors
+        max_bytes = data.draw(st.sampled_from([8, 24, 56, 4096]))
+        got = [c.copy() for c in ckpt.chunks(t, max_bytes)]
+        assert np.array_equal(np.concatenate(got) if got else np.empty(0), want)
+
+
+def test_a_transposed_view_is_held_once_not_copied_whole(tmp_path):
+    # issue 22 item 6: a transposed view was read whole, then copied whole into C order (twice its bytes)
+    storage = np.random.default_rng(1).standard_normal(1 << 24).astype(np.float32)  # 64 MiB
+    path = view_file(tmp_path / "t.pt", storage, (4096, 4096), (1, 4096))
+    r = run_bounded("convert", path, "-o", tmp_path / "t.safetensors", "--quiet", seconds=60, memory_mb=1500)
+    assert r.returncode == 0, r
+    assert r.peak_mb < 64 + 80, r  # its storage's bytes, once, and chunks (before: 2 x 64 MiB more)
+    with open_checkpoint(tmp_path / "t.safetensors") as out:
+        assert np.array_equal(out.read(out.tensors[0]), storage.reshape(4096, 4096).T)
+
+
+def _grid(shape, cuts):
+    """The pieces (offsets, sizes) of the grid that `cuts` (per dimension) make."""
+    bounds = [sorted({0, n, *(c for c in cut if 0 < c < n)}) for n, cut in zip(shape, cuts, strict=True)]
+    for corner in itertools.product(*[list(itertools.pairwise(b)) for b in bounds]):
+        yield tuple(a for a, _ in corner), tuple(b - a for a, b in corner)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple), data=st.data())
+def test_strided_pieces_stream_right(tmp_path_factory, shape, data):
+    # issue 22 item 6: a distributed checkpoint's strided chunks (transposed) were put together whole
+    tmp_path = tmp_path_factory.mktemp("pieces")
+    array = np.random.default_rng(0).standard_normal(shape)
+    cuts = tuple(data.draw(st.lists(st.integers(1, n), max_size=2)) for n in shape)
+    placed = []
+    with open(tmp_path / "a.bin", "wb") as f:
+        for offsets, sizes in _grid(shape, cuts):
+            block = array[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))]
+            transposed = data.draw(st.booleans())
+            strides = tuple(s // 8 for s in np.asfortranarray(block).strides) if transposed else None
+            placed.append(Piece(offsets, sizes, str(tmp_path / "a.bin"), f.tell(), strides and (strides, block.nbytes)))
+            f.write(block.tobytes(order="F" if transposed else "C"))
+    location = Pieces(shape, 8, tuple(placed))
+    info = TensorInfo("t", "float64", shape, array.nbytes, str(tmp_path / "a.bin"), array.dtype, location=location)
+    with Checkpoint(tmp_path, "distcp", {}, [info], [tmp_path / "a.bin"]) as ckpt:
+        max_bytes = data.draw(st.sampled_from([8, 24, 40, 4096]))
+        got = np.concatenate([c.copy() for c in ckpt.chunks(info, max_bytes)])
+    assert got.tobytes() == array.tobytes()
+
+
+# -- item 23: a distributed checkpoint clips like any PyTorch input ---------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_distributed_checkpoint_clips_like_its_conversion(tmp_path, suffix):
+    # issue 22 item 23: clipping a distributed checkpoint was refused ("convert it first"), dry runs too
+    w = np.random.default_rng(2).standard_normal((6, 10)).astype(np.float32)
+    b = np.linspace(-3, 3, 7)
+    ckpt = dcp_checkpoint(
+        tmp_path / "dcp",
+        {"w": ((6, 10), [((0, 0), w[:, :4]), ((0, 4), w[:, 4:])]), "b": ((7,), [((0,), b[:3]), ((3,), b[3:])])},
+    )
+    code, _, err = cli("convert", ckpt, "-o", tmp_path / "whole.safetensors", "--quiet")
+    assert code == 0, err
+    for source, out in ((ckpt, tmp_path / f"dcp{suffix}"), (tmp_path / "whole.safetensors", tmp_path / f"ref{suffix}")):
+        code, _, err = cli("clip-global-norm", source, "-o", out, "--clip-norm", "2", "--quiet")
+        assert code == 0, err
+    with open_checkpoint(tmp_path / f"dcp{suffix}") as got, open_checkpoint(tmp_path / f"ref{suffix}") as want:
+        assert [t.name for t in got.tensors] == ["w", "b"]
+        for t, u in zip(got.tensors, want.tensors, strict=True):
+            assert got.read(t).tobytes() == want.read(u).tobytes()
+    code, out, err = cli("clip-global-norm", ckpt, "--dry-run", "--clip-norm", "2", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["checkpoints"][0]["global_norm"] == pytest.approx(
+        math.sqrt(float((w.astype(float) ** 2).sum() + (b**2).sum()))
+    )
+    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp"]

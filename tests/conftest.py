@@ -221,24 +221,28 @@ def _size(dims: tuple[int, ...]) -> PickleCall:
 
 
 def dcp_metadata(
-    tensors: dict[str, tuple[str, tuple[int, ...], list]], storage: dict[tuple[str, tuple], tuple]
+    tensors: dict[str, tuple[str, tuple[int, ...], list]], storage: dict[tuple[str, tuple | None], tuple]
 ) -> bytes:
     """A `.metadata` pickle: tensors (dtype, global shape, chunks as (offsets, sizes)), and where each chunk
-    (name, offsets) lies: (relative path, offset, length)."""
-    dtypes = {"float32": "float32", "float64": "float64", "float16": "float16", "int64": "int64"}
-    sd = {}
+    (name, offsets) or non-tensor item (name, None) lies: (relative path, offset, length)."""
+    sd: dict[str, Any] = {}
     for name, (dtype, shape, chunks) in tensors.items():
         layout = PickleCall(PickleGlobal("torch.serialization", "_get_layout"), ("torch.strided",))
         memory = PickleCall(PickleGlobal(_DCP, "_MEM_FORMAT_ENCODING"), (0,))
-        properties = _dcp_obj("TensorProperties", (PickleGlobal("torch", dtypes[dtype]), layout, False, memory, False))
+        properties = _dcp_obj("TensorProperties", (PickleGlobal("torch", dtype), layout, False, memory, False))
         chunk_list = [_dcp_obj("ChunkStorageMetadata", {"offsets": _size(o), "sizes": _size(s)}) for o, s in chunks]
-        sd[name] = _dcp_obj(
-            "TensorStorageMetadata", {"properties": properties, "size": _size(shape), "chunks": chunk_list}
-        )
+        state = {"properties": properties, "size": _size(shape), "chunks": chunk_list}
+        sd[name] = _dcp_obj("TensorStorageMetadata", state)
+    for name, offsets in storage:
+        if offsets is None:
+            sd[name] = _dcp_obj("BytesStorageMetadata", {})
     data = PickleDict(
         [
             (
-                _dcp_obj("MetadataIndex", {"fqn": name, "offset": _size(offsets)}),
+                _dcp_obj(
+                    "MetadataIndex",
+                    {"fqn": name, "index": 0} if offsets is None else {"fqn": name, "offset": _size(offsets)},
+                ),
                 _dcp_obj(
                     "_StorageInfo",
                     {"relative_path": path, "offset": at, "length": length},
@@ -252,12 +256,28 @@ def dcp_metadata(
     return b"\x80\x02" + pickle_ops(_dcp_obj("Metadata", state)) + b"."
 
 
-def dcp_checkpoint(directory: Path, tensors: dict[str, tuple[tuple[int, ...], list]]) -> Path:
+def dcp_checkpoint(
+    directory: Path, tensors: dict[str, tuple[tuple[int, ...], list]], items: dict[tuple[str, ...], Any] | None = None
+) -> Path:
     """A distributed checkpoint in one `.distcp` file: per tensor its global shape and chunks, each
-    (offsets, values) or (offsets, values, strides): a chunk saved as a view of `values`' bytes."""
+    (offsets, values) or (offsets, values, (sizes, strides)): a chunk saved as a view of `values`' bytes;
+    and non-tensor items, each object saved once under the names that key it. Equal torch.save files are
+    written once, every entry that holds one pointing at it."""
     directory.mkdir(parents=True, exist_ok=True)
     blob = bytearray()
+    written: dict[bytes, tuple[str, int, int]] = {}
+
+    def place(data: bytes) -> tuple[str, int, int]:
+        if data not in written:
+            written[data] = ("__0_0.distcp", len(blob), len(data))
+            blob.extend(data)
+        return written[data]
+
     listed, storage = {}, {}
+    for names, value in (items or {}).items():
+        where = place(torch_zip(value, {}))
+        for name in names:
+            storage[(name, None)] = where
     for name, (shape, chunks) in tensors.items():
         boxes = []
         for offsets, values, *strides in chunks:
@@ -265,9 +285,8 @@ def dcp_checkpoint(directory: Path, tensors: dict[str, tuple[tuple[int, ...], li
             sizes = values.shape if not strides else strides[0][0]
             view = strides[0][1] if strides else tuple(s // max(values.itemsize, 1) for s in values.strides)
             data = torch_zip(torch_view(values.dtype.name, values.size, sizes, view), {"0": values.tobytes()})
-            storage[(name, tuple(offsets))] = ("__0_0.distcp", len(blob), len(data))
+            storage[(name, tuple(offsets))] = place(data)
             boxes.append((tuple(offsets), tuple(sizes)))
-            blob += data
         listed[name] = (chunks[0][1].dtype.name, tuple(shape), boxes)
     (directory / "__0_0.distcp").write_bytes(bytes(blob))
     (directory / ".metadata").write_bytes(dcp_metadata(listed, storage))

@@ -140,6 +140,75 @@ def test_strided_pieces_stream_right(tmp_path_factory, shape, data):
     assert got.tobytes() == array.tobytes()
 
 
+# -- item 7: distributed checkpoints of many chunks ------------------------------------------------------
+
+
+def _two_regions(half: int, bump: bool = False) -> tuple[tuple[int, ...], list]:
+    """Chunks of a (2,) * (2 * half + 1) tensor splitting every dimension: where the first index is 0, unit
+    steps in the next `half` dimensions; where it is 1, in the last `half`. `bump`: one chunk moved onto
+    its neighbour (an overlap and a hole)."""
+    chunks = []
+    for bits in itertools.product((0, 1), repeat=half):
+        chunks.append(((0, *bits) + (0,) * half, np.ones((1,) * (1 + half) + (2,) * half, np.float32)))
+    for bits in itertools.product((0, 1), repeat=half):
+        chunks.append(((1,) + (0,) * half + bits, np.ones((1,) + (2,) * half + (1,) * half, np.float32)))
+    if bump:
+        offsets, values = chunks[-1]
+        chunks[-1] = ((*offsets[:-1], 0), values)
+    return (2,) * (2 * half + 1), chunks
+
+
+def test_a_layout_splitting_many_dimensions_is_checked_quickly(tmp_path):
+    # issue 22 item 7: the tiling check walked 2**k corners a chunk (256 chunks, 15 dimensions: 48 s)
+    shape, chunks = _two_regions(7)
+    ckpt = dcp_checkpoint(tmp_path / "dcp", {"t": (shape, chunks)})
+    r = run_bounded("global-norm", ckpt, "--format", "json", seconds=20, memory_mb=1000)
+    assert r.returncode == 0, r
+    assert json.loads(r.stdout)["checkpoints"][0]["global_norm"] == math.sqrt(2**15)
+    assert r.seconds < 10, r
+    shape, chunks = _two_regions(7, bump=True)
+    ckpt = dcp_checkpoint(tmp_path / "bumped", {"t": (shape, chunks)})
+    r = run_bounded("global-norm", ckpt, seconds=20, memory_mb=1000)
+    assert r.returncode == 3, r
+    assert r.stderr.count("clipcli: error:") == 1 and "overlap, and so leave a hole" in r.stderr, r
+    assert r.seconds < 10, r
+
+
+def test_column_shards_are_read_right_and_fast(tmp_path):
+    # issue 22 item 7: a column shard was read one row at a time (a Python step and a preadv each: 19 s here)
+    rows = 1 << 20
+    w = np.random.default_rng(3).standard_normal((rows, 8)).astype(np.float32)
+    ckpt = dcp_checkpoint(
+        tmp_path / "dcp", {"w": ((rows, 8), [((0, 2 * k), w[:, 2 * k : 2 * k + 2]) for k in range(4)])}
+    )
+    r = run_bounded("global-norm", ckpt, "--format", "json", seconds=30, memory_mb=1000)
+    assert r.returncode == 0, r
+    assert r.seconds < 8, r
+    norm = json.loads(r.stdout)["checkpoints"][0]["global_norm"]
+    assert norm == pytest.approx(math.sqrt(math.fsum((w.astype(np.float64) ** 2).ravel())), rel=1e-15)
+    with open_checkpoint(ckpt) as got:
+        assert got.read(got.tensors[0]).tobytes() == w.tobytes()
+
+
+def test_one_byte_range_named_by_many_items_is_read_once(tmp_path):
+    # issue 22 item 7: 8,000 items naming one 400 KB torch.save file parsed it 8,000 times (exit 70, 1.9 GB)
+    names = tuple(f"item{i}" for i in range(8000))
+    ckpt = dcp_checkpoint(tmp_path / "dcp", {"w": ((2,), [((0,), np.ones(2, np.float32))])}, {names: "x" * 400_000})
+    r = run_bounded("global-norm", ckpt, seconds=30, memory_mb=1000)
+    assert r.returncode == 0, r
+    assert r.seconds < 10 and r.peak_mb < 300, r
+
+
+def test_names_fanned_out_through_one_byte_range_are_refused(tmp_path):
+    # issue 22 item 7: 8,000 items naming one list of 20,000 values would make 160 M names (exit 70 at 1.9 GB)
+    names = tuple(f"item{i}" for i in range(8000))
+    ckpt = dcp_checkpoint(tmp_path / "dcp", {"w": ((2,), [((0,), np.ones(2, np.float32))])}, {names: [0.5] * 20000})
+    r = run_bounded("global-norm", ckpt, seconds=30, memory_mb=1000)
+    assert r.returncode == 3, r
+    assert r.stderr.count("clipcli: error:") == 1 and "named by so many entries" in r.stderr, r
+    assert r.seconds < 10 and r.peak_mb < 400, r
+
+
 # -- item 23: a distributed checkpoint clips like any PyTorch input ---------------------------------------
 
 

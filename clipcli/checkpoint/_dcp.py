@@ -38,7 +38,6 @@ Choices where torch leaves room:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 import stat
@@ -66,11 +65,13 @@ __all__ = ["METADATA", "DcpChunk", "DcpTensor", "is_dcp", "read_dcp"]
 
 METADATA = ".metadata"
 _MAX_INDEX = 1 << 63  # sizes and offsets are int64 in torch
-# Chunk layouts are checked by counting the corners of every chunk (see _layout_error): 2**k corners a
-# chunk when the chunks split k dimensions. Real sharding splits one to three; more than this is refused.
+# Chunk layouts are checked by a sweep that splits the chunks at their bounds, one dimension after another
+# (see _layout_error): real sharding splits one to three dimensions, and its chunks' bounds meet, so the
+# sweep's work is a few steps a chunk. More dimensions than this, or more steps, are refused.
 _MAX_SPLIT_DIMS = 16
-_MAX_CORNERS = 1 << 24
+_MAX_SWEEP_STEPS = 1 << 22
 _MAX_PAIR_CHECKS = 1_000_000  # comparisons spent naming two overlapping chunks in a message
+_RENAMES = 1_000_000  # names that a byte range named by several entries may make again, at least
 # what names the metadata class in the first bytes of a .metadata pickle (Megatron's subclass included)
 _SIGNATURES = (b"torch.distributed.checkpoint", b"megatron.core.dist_checkpointing")
 
@@ -447,8 +448,11 @@ class _Files:
         self.where = where  # .metadata, for messages about what it says
         self.root: Path | None = None
         self.files: dict[str, tuple[Path, int]] = {}
-        # read_torch's answer for each byte range: crafted metadata may point many chunks at one range
-        self.read: dict[tuple[str, int, int, str], tuple[dict[str, str], list[TorchTensor]]] = {}
+        # read_torch's answer for each byte range, under the name it was read as: crafted metadata may point
+        # many entries at one range, each of which takes that answer renamed, not a parse of its own
+        self.read: dict[tuple[str, int, int], tuple[str, dict[str, str], list[TorchTensor]]] = {}
+        # names that answers given again may make: as many as the metadata's size justifies
+        self.renames = _RENAMES + 4 * len(locations)
 
     def item(self, fqn: str) -> tuple[dict[str, str], list[DcpTensor]]:
         """The metadata and tensors of one non-tensor item: a torch.save file of any object."""
@@ -507,18 +511,28 @@ class _Files:
                 path,
                 fqn,
             )
-        key = (location.relative_path, start, end, fqn)
+        key = (str(path), start, end)
         if key not in self.read:
             if offsets is not None:
                 _refuse_safetensors(path, start, fqn, offsets)
             try:
-                self.read[key] = read_torch(path, start, end, fqn)
+                self.read[key] = (fqn, *read_torch(path, start, end, fqn))
             except ClipcliError as e:
                 # a chunk's messages name its tensor; an item's name the entry inside it, if any
                 tensor = fqn if offsets is not None or e.tensor is None else e.tensor
                 error_type = MalformedError if isinstance(e, FileTypeError) else type(e)  # it must be a torch.save file
                 raise error_type(f"the {_what(offsets)} (bytes {start}..{end}): {e.message}", path, tensor) from e
-        metadata, tensors = self.read[key]
+        first, metadata, tensors = self.read[key]
+        if first != fqn:
+            self.renames -= len(metadata) + len(tensors)
+            if self.renames < 0:
+                raise MalformedError(
+                    f"the {_what(offsets)} (bytes {start}..{end}) is named by so many entries that their names "
+                    "would not end",
+                    path,
+                    fqn,
+                )
+            metadata, tensors = _renamed(first, fqn, metadata, tensors)
         return path, metadata, tensors
 
     def _file(self, relative: str, fqn: str) -> tuple[Path, int]:
@@ -547,6 +561,18 @@ class _Files:
             raise MalformedError(f"{relative} leads outside the checkpoint's directory", self.directory, fqn)
         self.files[relative] = (path, st.st_size)
         return self.files[relative]
+
+
+def _renamed(
+    old: str, new: str, metadata: dict[str, str], tensors: list[TorchTensor]
+) -> tuple[dict[str, str], list[TorchTensor]]:
+    """What a torch.save file read as the item `old` holds, as read as the item `new` (`old.key` is `new.key`)."""
+
+    def rename(name: str) -> str:
+        return new + name[len(old) :]
+
+    renamed = [dataclasses.replace(t, name=rename(t.name)) for t in tensors]
+    return {rename(k): v for k, v in metadata.items()}, renamed
 
 
 def _refuse_safetensors(path: Path, start: int, fqn: str, offsets: tuple[int, ...]) -> None:
@@ -623,13 +649,9 @@ def _boxes(chunks: Any, ndim: int, fqn: str) -> list[tuple[tuple[int, ...], tupl
 def _layout_error(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
     """Why the chunks (offsets, sizes) do not tile a tensor of `shape` exactly, or None when they do.
 
-    Each chunk must lie inside the tensor; then the chunks tile it iff the signed corners of all chunks
-    add up to the signed corners of the tensor. (A box's indicator function is the product over its
-    dimensions of H(x - lo) - H(x - hi), with H the step function; expanded, it is the sum over its 2**k
-    corners of ±prod H(x - corner), minus for every upper bound taken. These products are linearly
-    independent for distinct corners, so equal corner counts mean equal indicator sums: every element
-    covered exactly once.) Dimensions that every chunk spans whole drop out, and so do empty chunks;
-    the check costs 2**k dictionary updates a chunk for chunks that split k dimensions.
+    Each chunk must lie inside the tensor; then the chunks tile it iff their indicator functions, less the
+    tensor's, add up to zero (every element covered exactly once): see `_adds_to_zero`. Dimensions that
+    every chunk spans whole drop out, and so do empty chunks.
     """
     for offsets, sizes in boxes:
         if any(o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)):
@@ -644,19 +666,58 @@ def _layout_error(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tup
     if covered > total:
         return f"the chunks hold {covered} elements, more than the tensor's {total}: {_overlap(full)}"
     split = [d for d, n in enumerate(shape) if any(offsets[d] or sizes[d] != n for offsets, sizes in full)]
-    if len(split) > _MAX_SPLIT_DIMS or len(full) << len(split) > _MAX_CORNERS:
+    if len(split) > _MAX_SPLIT_DIMS:
         raise UnsupportedError(
             f"{len(full)} chunks that split {len(split)} dimensions: more than clipcli checks for overlaps"
         )
-    corners: dict[tuple[int, ...], int] = {}
+    weights: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     for offsets, sizes, sign in [*((o, s, 1) for o, s in full), ((0,) * len(shape), shape, -1)]:
-        bounds = [((offsets[d], 1), (offsets[d] + sizes[d], -1)) for d in split]
-        for corner in itertools.product(*bounds):
-            point = tuple(c for c, _ in corner)
-            corners[point] = corners.get(point, 0) + sign * math.prod(s for _, s in corner)
-    if not any(corners.values()):
+        box = (tuple(offsets[d] for d in split), tuple(offsets[d] + sizes[d] for d in split))
+        weights[box] = weights.get(box, 0) + sign
+    if _adds_to_zero({box: w for box, w in weights.items() if w}, [_MAX_SWEEP_STEPS]):
         return None
     return f"{_overlap(full)}, and so leave a hole"
+
+
+def _adds_to_zero(
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], int], budget: list[int], known: set | None = None
+) -> bool:
+    """Whether boxes ([lo, hi) per dimension) times their weights add up to zero everywhere.
+
+    Along the first dimension the sum is a step function of boxes over the other dimensions: zero
+    everywhere iff each step is, the boxes that begin at a coordinate less those that end there. Boxes
+    equal in the other dimensions cancel before going on (one chunk ending where the next begins, as
+    every sharding lays them), so a sharding's chunks take a few steps each. A step found zero before
+    (or its negative: a step up and a step down) is not checked again, and `budget` (steps left) bounds
+    what crafted layouts cost.
+
+    Raises:
+        UnsupportedError: when the budget runs out.
+    """
+    known = set() if known is None else known
+    if not boxes:
+        return True
+    if not next(iter(boxes))[0]:  # no dimension left, and a weight that is not zero
+        return False
+    steps: dict[int, dict[tuple[tuple[int, ...], tuple[int, ...]], int]] = {}
+    for (lo, hi), w in boxes.items():
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise UnsupportedError("chunks laid out so that checking them for overlaps takes more than clipcli spends")
+        rest = (lo[1:], hi[1:])
+        for at, weight in ((lo[0], w), (hi[0], -w)):
+            step = steps.setdefault(at, {})
+            total = step.pop(rest, 0) + weight
+            if total:
+                step[rest] = total
+    for step in steps.values():
+        key = frozenset(step.items())
+        if key in known:
+            continue
+        if not _adds_to_zero(step, budget, known):
+            return False
+        known.update((key, frozenset((box, -w) for box, w in step.items())))
+    return True
 
 
 def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:

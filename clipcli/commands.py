@@ -16,7 +16,7 @@ import numpy as np
 from clipcli import core
 from clipcli.checkpoint import Checkpoint, Place, TensorInfo, byte_layout, check_plan, placed, save
 from clipcli.checkpoint._engine import run, run_pairs
-from clipcli.errors import CheckFailedError, UsageError
+from clipcli.errors import CheckFailedError, UnsupportedError, UsageError
 from clipcli.report import (
     CheckpointReport,
     DiffGroup,
@@ -412,6 +412,7 @@ class ClipJob(NamedTuple):
 
 ChunkOp = Callable[[np.ndarray], np.ndarray]
 _ROW_GROUP = 1 << 18  # values clipped per step along rows
+_MAX_NUMPY_DIMS = 64  # per-axis norms hold rows as arrays of the tensor's rank
 
 
 class _Op(NamedTuple):
@@ -599,6 +600,13 @@ def clip_norm(
             message = f"--axes {_axes_text(axes)} fits no selected tensor ({printable(first.name)}: {why})"
             raise UsageError(message, ckpt.path, "--axes")
         selected = [t for t, why in misfits if why is None]
+        for t in selected:  # its rows are NumPy arrays of its rank
+            if len(t.shape) > _MAX_NUMPY_DIMS:
+                raise UnsupportedError(
+                    f"--axes on {len(t.shape)} dimensions, more than a NumPy array holds ({_MAX_NUMPY_DIMS})",
+                    ckpt.path,
+                    t.name,
+                )
     m = _measure(ckpt, selected, skipped, 2.0, progress, job.jobs)
     if not job.allow_nonfinite:
         check_nonfinite(str(ckpt.path), m.rows)

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from clipcli.checkpoint._files import Piece, Pieces
 from clipcli.cli import app
+from clipcli.errors import UnsupportedError
 from tests.conftest import dcp_checkpoint, run_bounded, torch_view, torch_zip
 
 
@@ -207,6 +208,50 @@ def test_names_fanned_out_through_one_byte_range_are_refused(tmp_path):
     assert r.returncode == 3, r
     assert r.stderr.count("clipcli: error:") == 1 and "named by so many entries" in r.stderr, r
     assert r.seconds < 10 and r.peak_mb < 400, r
+
+
+# -- item 11: more dimensions than NumPy holds -----------------------------------------------------------
+
+
+SHAPE_70 = (1,) * 34 + (3,) + (1,) * 34 + (4,)
+
+
+def _npy_70(path, values: np.ndarray):
+    """A Fortran-order .npy of SHAPE_70 holding `values` (3, 4)."""
+    header = f"{{'descr': '<f4', 'fortran_order': True, 'shape': {SHAPE_70}, }}".encode()
+    header += b" " * (63 - (10 + len(header)) % 64) + b"\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + values.tobytes(order="F"))
+    return path
+
+
+def test_seventy_dimensions_read_convert_and_diff(tmp_path):
+    # issue 22 item 11: a 70-dimensional view or Fortran-order .npy exited 70 in NumPy's as_strided / reshape
+    storage = np.arange(12, dtype=np.float32) - 5
+    want = np.lib.stride_tricks.as_strided(storage, (3, 4), (4, 12))  # the view: a transpose
+    view = view_file(tmp_path / "v.pt", storage, SHAPE_70, (5,) * 34 + (1,) + (7,) * 34 + (3,))
+    (tmp_path / "n").mkdir()
+    (tmp_path / "c").mkdir()
+    fortran = _npy_70(tmp_path / "n" / "v.npy", want)
+    contiguous = view_file(tmp_path / "c" / "v.pt", np.ascontiguousarray(want).ravel(), SHAPE_70, (4,) * 35 + (1,) * 35)
+    norm = math.sqrt(float((want.astype(np.float64) ** 2).sum()))
+    for source in (view, fortran):
+        r = run_bounded("global-norm", source, "--format", "json", seconds=30)
+        assert r.returncode == 0, r
+        assert json.loads(r.stdout)["checkpoints"][0]["global_norm"] == pytest.approx(norm, rel=1e-15)
+        out = tmp_path / f"{source.suffix[1:]}.safetensors"
+        r = run_bounded("convert", source, "-o", out, "--quiet", seconds=30)
+        assert r.returncode == 0, r
+        with open_checkpoint(out) as got:
+            (t,) = got.tensors
+            assert t.shape == SHAPE_70 and got.read_flat(t).tobytes() == want.tobytes()
+    for a, b in ((view, contiguous), (fortran, tmp_path / "pt.safetensors"), (view, fortran)):
+        r = run_bounded("diff", a, b, "--fail-different", "--format", "json", seconds=30)
+        assert r.returncode == 0, r
+    with open_checkpoint(fortran) as ckpt, pytest.raises(UnsupportedError, match="70 dimensions, more than a NumPy"):
+        ckpt.read(ckpt.tensors[0])
+    r = run_bounded("clip-norm", view, "-o", tmp_path / "x.safetensors", "--clip-norm", "1", "--axes", "0")
+    assert r.returncode == 3 and r.stderr.count("clipcli: error:") == 1, r
+    assert "--axes on 70 dimensions" in r.stderr
 
 
 # -- item 23: a distributed checkpoint clips like any PyTorch input ---------------------------------------

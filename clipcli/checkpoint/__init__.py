@@ -78,6 +78,7 @@ _FILE_FORMATS = {
     "torch": ("_torch", (".pt", ".pth", ".bin", ".ckpt")),
 }
 _WRITABLE = ("safetensors", "npz", "npy")
+_MAX_NUMPY_DIMS = 64
 _MAX_OPEN = 16  # files a checkpoint holds open to read at once (macOS allows a process 256; a diff reads two)
 _MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are written one after another
 
@@ -370,12 +371,25 @@ class Checkpoint:
             return entry[0].fileno()
 
     def read(self, info: TensorInfo) -> np.ndarray:
-        """The whole tensor as an array of its shape in C order (for small tensors and tests)."""
-        dtype = info.array_dtype if info.array_dtype is not None else np.dtype(np.uint8)
-        flat = np.concatenate([c.copy() for c in self.chunks(info)] or [np.empty(0, dtype)])
+        """The whole tensor as an array of its shape in C order (for small tensors and tests).
+
+        Raises:
+            UnsupportedError: for a tensor of more than 64 dimensions, which NumPy cannot hold (`read_flat` can).
+        """
+        flat = self.read_flat(info)
         if info.array_dtype is None:
             return flat
-        return flat.reshape(info.shape, order="F" if info.fortran_order else "C").copy(order="C")
+        if len(info.shape) > _MAX_NUMPY_DIMS:
+            raise UnsupportedError(
+                f"{len(info.shape)} dimensions, more than a NumPy array holds ({_MAX_NUMPY_DIMS})", info.file, info.name
+            )
+        return flat.reshape(info.shape)
+
+    def read_flat(self, info: TensorInfo) -> np.ndarray:
+        """The whole tensor's values, one after another in C order (types carried as bytes: their bytes)."""
+        dtype = info.array_dtype if info.array_dtype is not None else np.dtype(np.uint8)
+        flat = np.concatenate([c.copy() for c in self.chunks(info)] or [np.empty(0, dtype)])
+        return flat if info.array_dtype is None or not info.fortran_order else c_order(flat, info.shape)
 
     def _open_stream(self, info: TensorInfo) -> BinaryIO:
         loc = info.location
@@ -907,13 +921,24 @@ def _check_format(target: Path, tensors: list[TensorInfo]) -> None:
 def _c_order(chunks: ChunkSource) -> ChunkSource:
     """Chunks in C order; a Fortran-order tensor written to a C-order format is transposed whole (held)."""
 
-    def c_order(t: TensorInfo) -> Iterable[np.ndarray]:
+    def in_c_order(t: TensorInfo) -> Iterable[np.ndarray]:
         if not t.fortran_order:
             return chunks(t)
         flat = np.concatenate([np.array(c) for c in chunks(t)] or [np.empty(0, t.array_dtype)])
-        return [flat.reshape(t.shape, order="F").ravel(order="C")]
+        return [c_order(flat, t.shape)]
 
-    return c_order
+    return in_c_order
+
+
+def c_order(flat: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The values of a tensor of `shape` stored in Fortran order, in C order.
+
+    Dimensions of one element change neither order: they are dropped first, as NumPy holds at most 64
+    dimensions and a tensor may have more (never 64 of more than one element: 2**64 values).
+    """
+    if flat.size == 0:
+        return flat
+    return flat.reshape([n for n in shape if n != 1], order="F").ravel(order="C")
 
 
 def _expect(target: Path) -> Callable[[TensorInfo, int], None]:

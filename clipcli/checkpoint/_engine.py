@@ -365,7 +365,7 @@ class _PairWorker(_Worker):
             self._stream_pair(kernel, task.pair, a, b, progress)
             return
         if task.whole:
-            va, vb = (reader.read(t).reshape(-1) for reader, t in zip(self.readers, (a, b), strict=True))
+            va, vb = (reader.read_flat(t) for reader, t in zip(self.readers, (a, b), strict=True))
             kernel.pair(task.pair, 0, va, vb, _equal_values(va, vb))
             progress(a.nbytes + b.nbytes)
             return

@@ -77,6 +77,26 @@ class Bounded:
         )
 
 
+# Starts clipcli from a small process of its own and reports its peak resident size there: a forked
+# child starts with its parent's resident size as its peak (kept through exec), so clipcli forked from a
+# test process holding arrays would report theirs.
+_LAUNCHER = """
+import os, resource, signal, sys
+limit, peak_file = int(sys.argv[1]) << 20, sys.argv[2]
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.execv(sys.executable, [sys.executable, "-m", "clipcli", *sys.argv[3:]])
+_, status, usage = os.wait4(pid, 0)
+with open(peak_file, "w") as f:
+    f.write(str(usage.ru_maxrss))
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+sys.exit(os.WEXITSTATUS(status))
+"""
+
+
 def run_bounded(*args: object, seconds: float = 10, memory_mb: int = 1024, cwd: Path | None = None) -> Bounded:
     """Run `python -m clipcli ARGS` with its address space capped at `memory_mb` and killed after `seconds`.
 
@@ -85,26 +105,24 @@ def run_bounded(*args: object, seconds: float = 10, memory_mb: int = 1024, cwd: 
     child's own peak resident size (wait4), so a test can also hold a file to "a few hundred MB".
     """
     import os
-    import resource
+    import signal
     import subprocess
     import sys
     import tempfile
     import time
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "OPENBLAS_NUM_THREADS": "1"}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "peak"
         start = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "clipcli", *map(str, args)],
+            [sys.executable, "-c", _LAUNCHER, str(memory_mb), str(peak_file), *map(str, args)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
             env=env,
             cwd=cwd,
-            preexec_fn=limit,
+            start_new_session=True,  # the kill below reaches clipcli too
         )
         deadline = start + seconds
         while True:
@@ -112,7 +130,7 @@ def run_bounded(*args: object, seconds: float = 10, memory_mb: int = 1024, cwd: 
             if pid:
                 break
             if time.monotonic() > deadline:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 pid, status, usage = os.wait4(proc.pid, 0)
                 break
             time.sleep(0.01)
@@ -120,11 +138,12 @@ def run_bounded(*args: object, seconds: float = 10, memory_mb: int = 1024, cwd: 
         elapsed = time.monotonic() - start
         out.seek(0)
         err.seek(0)
+        peak = int(peak_file.read_text()) if peak_file.exists() else usage.ru_maxrss
         return Bounded(
             proc.returncode,
             out.read().decode(errors="replace"),
             err.read().decode(errors="replace"),
-            usage.ru_maxrss / 1024,
+            peak / 1024,
             elapsed,
         )
 

@@ -111,6 +111,20 @@ def test_a_transposed_view_is_held_once_not_copied_whole(tmp_path):
         assert np.array_equal(out.read(out.tensors[0]), storage.reshape(4096, 4096).T)
 
 
+def test_strided_chunks_of_a_distributed_checkpoint_are_not_put_together_whole(tmp_path):
+    # issue 22 item 6: a tensor with a strided (transposed) chunk was put together whole in memory
+    w = np.random.default_rng(4).standard_normal((2048, 4096)).astype(np.float32)  # 32 MiB in 4 chunks
+    chunks = [
+        ((k * 512, 0), np.ascontiguousarray(w[k * 512 : (k + 1) * 512].T), ((512, 4096), (1, 512))) for k in range(4)
+    ]
+    ckpt = dcp_checkpoint(tmp_path / "dcp", {"w": (w.shape, chunks)})
+    r = run_bounded("convert", ckpt, "-o", tmp_path / "w.safetensors", "--quiet", seconds=60, memory_mb=1500)
+    assert r.returncode == 0, r
+    assert r.peak_mb < 75, r  # one chunk's bytes (8 MiB) and a few reads' (before: the whole 32 MiB more)
+    with open_checkpoint(tmp_path / "w.safetensors") as out:
+        assert out.read(out.tensors[0]).tobytes() == w.tobytes()
+
+
 def _grid(shape, cuts):
     """The pieces (offsets, sizes) of the grid that `cuts` (per dimension) make."""
     bounds = [sorted({0, n, *(c for c in cut if 0 < c < n)}) for n, cut in zip(shape, cuts, strict=True)]

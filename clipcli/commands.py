@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from clipcli import core
-from clipcli.checkpoint import Checkpoint, Place, TensorInfo, byte_layout, check_plan, placed, save
+from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, Place, TensorInfo, byte_layout, check_plan, placed, save
 from clipcli.checkpoint._engine import run, run_pairs
 from clipcli.errors import CheckFailedError, UnsupportedError, UsageError
 from clipcli.report import (
@@ -412,7 +412,6 @@ class ClipJob(NamedTuple):
 
 ChunkOp = Callable[[np.ndarray], np.ndarray]
 _ROW_GROUP = 1 << 18  # values clipped per step along rows
-_MAX_NUMPY_DIMS = 64  # per-axis norms hold rows as arrays of the tensor's rank
 
 
 class _Op(NamedTuple):
@@ -601,9 +600,9 @@ def clip_norm(
             raise UsageError(message, ckpt.path, "--axes")
         selected = [t for t, why in misfits if why is None]
         for t in selected:  # its rows are NumPy arrays of its rank
-            if len(t.shape) > _MAX_NUMPY_DIMS:
+            if len(t.shape) > MAX_NUMPY_DIMS:
                 raise UnsupportedError(
-                    f"--axes on {len(t.shape)} dimensions, more than a NumPy array holds ({_MAX_NUMPY_DIMS})",
+                    f"--axes on {len(t.shape)} dimensions, more than a NumPy array holds ({MAX_NUMPY_DIMS})",
                     ckpt.path,
                     t.name,
                 )

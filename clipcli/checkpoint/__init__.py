@@ -52,6 +52,7 @@ from clipcli.errors import (
 __all__ = [
     "CHUNK_BYTES",
     "MAX_LZMA_DICTIONARY",
+    "MAX_NUMPY_DIMS",
     "Checkpoint",
     "TensorInfo",
     "byte_layout",
@@ -78,7 +79,7 @@ _FILE_FORMATS = {
     "torch": ("_torch", (".pt", ".pth", ".bin", ".ckpt")),
 }
 _WRITABLE = ("safetensors", "npz", "npy")
-_MAX_NUMPY_DIMS = 64
+MAX_NUMPY_DIMS = 64  # the most dimensions a NumPy array has; a tensor may have more
 _MAX_OPEN = 16  # files a checkpoint holds open to read at once (macOS allows a process 256; a diff reads two)
 _MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are written one after another
 
@@ -90,8 +91,8 @@ class TensorInfo:
     `location` says where its bytes lie (a `Span` of the file, `Pieces` of files or a strided view of
     one storage, or a `ZipMember` stream); `stored_dtype` is the byte order they are stored in when it is
     not the native one. A tensor with a `skip` reason (a sparse or quantized PyTorch tensor) is listed but
-    has no values; `storage` names the storage it shares with other tensors (tied weights), if it does. `compression`
-    is the method of the .npz member it came from (kept when written to .npz) and `prefix` the header
+    has no values; `storage` names the storage it shares with other tensors (tied weights), if it does.
+    `compression` is the method of the .npz member it came from (kept when written to .npz) and `prefix` the header
     bytes a type carried as bytes had in it (written back as they were).
     """
 
@@ -379,9 +380,9 @@ class Checkpoint:
         flat = self.read_flat(info)
         if info.array_dtype is None:
             return flat
-        if len(info.shape) > _MAX_NUMPY_DIMS:
+        if len(info.shape) > MAX_NUMPY_DIMS:
             raise UnsupportedError(
-                f"{len(info.shape)} dimensions, more than a NumPy array holds ({_MAX_NUMPY_DIMS})", info.file, info.name
+                f"{len(info.shape)} dimensions, more than a NumPy array holds ({MAX_NUMPY_DIMS})", info.file, info.name
             )
         return flat.reshape(info.shape)
 

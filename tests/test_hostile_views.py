@@ -83,6 +83,29 @@ def test_views_read_as_numpy_sees_them(tmp_path, shape, strides, offset):
         assert np.array_equal(out.read(out.tensors[0]), want)
 
 
+def test_views_torch_saves_read_as_torch_sees_them(tmp_path):
+    # issue 22 item 6: the same, against real torch's views (transposes, permutes, slices, expands, unfold)
+    torch = pytest.importorskip("torch")
+    x = torch.randn(6, 7, 5)
+    views = {
+        "t": x.transpose(0, 2),
+        "p": x.permute(1, 2, 0),
+        "s": x[::2, 1::3],
+        "e": torch.randn(1, 5).expand(4, 5),
+        "e0": torch.tensor(3.0).expand(3, 4),
+        "cl": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "d": x.diagonal(dim1=0, dim2=1),
+        "u": torch.arange(24.0).reshape(4, 6).unfold(1, 3, 2),
+        "h": torch.randn(8, 3).half()[1::3].t(),
+    }
+    torch.save(views, tmp_path / "views.pt")
+    with open_checkpoint(tmp_path / "views.pt") as ckpt:
+        for t in ckpt.tensors:
+            want = views[t.name].contiguous().numpy()
+            assert np.array_equal(ckpt.read(t), want), t.name
+            assert np.array_equal(np.concatenate([c.copy() for c in ckpt.chunks(t, 16)]), want.reshape(-1)), t.name
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_any_strided_view_reads_right(tmp_path_factory, data):

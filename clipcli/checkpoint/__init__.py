@@ -32,10 +32,10 @@ from clipcli.checkpoint._files import (
     ZipMember,
     atomic_write,
     crc32_of_parts,
+    file_format,
     read_head,
     resolve_target,
     sniff,
-    sniff_format,
 )
 from clipcli.checkpoint._npz import MAX_LZMA_DICTIONARY
 from clipcli.errors import (
@@ -233,9 +233,7 @@ class Checkpoint:
         raw = np.empty(loc.span, np.uint8)
         self.pread(_Whole(info, Span(loc.offset)), 0, raw)
         strides = tuple(s * dtype.itemsize for s in loc.strides)
-        view = np.lib.stride_tricks.as_strided(
-            raw.view(dtype) if loc.span else raw[:0].view(dtype), info.shape, strides
-        )
+        view = _as_strided(raw if loc.span else raw[:0], dtype, info.shape, strides)
         flat = as_values(np.ascontiguousarray(view).reshape(-1).view(np.uint8), dtype)
         step = max(per_chunk // dtype.itemsize, 1)
         for start in range(0, flat.size, step):
@@ -253,9 +251,7 @@ class Checkpoint:
             span = span or math.prod(piece.sizes) * dtype.itemsize
             raw = np.empty(span, np.uint8)
             self._read_at(piece.file, piece.offset, memoryview(raw), info)
-            values = np.lib.stride_tricks.as_strided(
-                raw.view(dtype), piece.sizes, [s * dtype.itemsize for s in strides]
-            )
+            values = _as_strided(raw, dtype, piece.sizes, [s * dtype.itemsize for s in strides])
             whole[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes, strict=True))] = values
         flat = as_values(whole.reshape(-1).view(np.uint8), dtype)
         step = max(per_chunk // dtype.itemsize, 1)
@@ -429,6 +425,13 @@ def _read_exactly(stream: BinaryIO, view: memoryview, info: TensorInfo) -> None:
         raise InputError(f"cannot read: {e.strerror or e}", info.file, info.name) from e
 
 
+def _as_strided(raw: np.ndarray, dtype: np.dtype, shape: Any, strides: Any) -> np.ndarray:
+    """`raw`'s bytes as a strided view of `dtype`. as_strided goes through `__array_interface__`, whose type
+    string NumPy cannot read back for some ml_dtypes types ('<f1' for float8): it strides opaque items."""
+    opaque = np.dtype((np.void, dtype.itemsize))
+    return np.lib.stride_tricks.as_strided(raw.view(opaque), shape, strides).view(dtype)
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Opens a checkpoint (a file, a sharded index or a directory), reading headers only.
 
@@ -488,7 +491,7 @@ def _open(path: Path) -> Checkpoint:
         metadata, tensors, files, index = _sharded.open_index(path, opener)
         return Checkpoint(path, "sharded-torch" if torch else "sharded", metadata, tensors, files, index, path)
     if kind == "directory":  # no suffix clipcli knows: the first bytes tell
-        kind = sniff_format(read_head(path)) or ""
+        kind = file_format(path) or ""
         if kind not in _FILE_FORMATS:
             raise FileTypeError(
                 "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "

@@ -104,7 +104,7 @@ def test_shared_tuples_that_are_hashed_again_and_again_are_charged(tmp_path: Pat
 
 def test_frozenset_dag_rendered_as_metadata_is_refused_quickly(tmp_path: Path) -> None:
     # issue 22 item 3: FS(k+1) = frozenset({FS(k), (FS(k),)}) as a leaf: rendering it walked 2**k members
-    level = b"(h\x00h\x00\x85\x91q\x00"  # MARK, FSk, (FSk,), FROZENSET, memoized as the next FSk
+    level = b"0(h\x00h\x00\x85\x91q\x00"  # POP FSk, MARK, FSk, (FSk,), FROZENSET, memoized as the next FSk
     data = b"\x80\x04}X\x01\x00\x00\x00x(\x91q\x00" + level * 40 + b"s."
     r = run_bounded("inspect", torch_zip(tmp_path / "sets.pt", data), seconds=10, memory_mb=1024)
     assert refused(r), r

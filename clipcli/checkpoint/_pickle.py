@@ -497,7 +497,7 @@ class _Machine:
         colliding = [k for k in keys if type(k) in _MAY_COLLIDE and _may_collide(k)]
         n = len(colliding)
         if n:
-            self._charge(sum(self._shape(k)[1] for k in colliding if type(k) in _NESTABLE), "dict keys and set members")
+            self._charge(sum(self._shape(k)[1] for k in colliding if type(k) in _NESTABLE), "its dicts and sets")
             self.colliding_keys_left -= n
             if self.colliding_keys_left < 0:
                 raise MalformedError(

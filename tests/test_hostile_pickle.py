@@ -7,6 +7,7 @@ import pickle
 import shutil
 import struct
 import tarfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -283,3 +284,21 @@ def test_the_tar_format_names_the_right_torch_version(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedError, match=r"until early 2017 \(torch 0\.1\.x\)"):
         read_torch(path)
     assert "early 2017" in sniff(path.read_bytes()[:512]) and "0.4" not in sniff(path.read_bytes()[:512])
+
+
+def test_real_torchscript_and_legacy_files_of_every_protocol_under_unknown_names(tmp_path: Path) -> None:
+    # issue 22 item 21: as torch writes them (torch 2.x: torch.jit.save puts its storages before data.pkl)
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():  # torch.jit.script is deprecated
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(torch.nn.Linear(3, 2)), str(tmp_path / "model.jit"))
+    assert refused(run_bounded("inspect", tmp_path / "model.jit", seconds=30), "TorchScript")
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    for protocol in (1, 2, 4, 5):
+        path = tmp_path / f"weights{protocol}.data"
+        torch.save(weights, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+        r = run_bounded("global-norm", path, "--format", "json", seconds=30)
+        assert r.returncode == 0, r
+        assert json.loads(r.stdout)["checkpoints"][0]["global_norm"] == pytest.approx(
+            float(torch.linalg.norm(weights["w"].double())), rel=1e-15
+        )

@@ -358,7 +358,7 @@ _FLAG_CHARS = 40
 
 
 def _flag_names(keys: list[Any]) -> str:
-    shown = [printable(k)[:_FLAG_CHARS] if type(k) is str else f"a {kind(k)}" for k in keys[:_SHOWN_FLAGS]]
+    shown = [printable(k[:_FLAG_CHARS]) if type(k) is str else f"a {kind(k)}" for k in keys[:_SHOWN_FLAGS]]
     more = len(keys) - _SHOWN_FLAGS
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 

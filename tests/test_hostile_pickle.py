@@ -151,10 +151,10 @@ def test_one_tensor_named_490000_times_is_refused_quickly(tmp_path: Path) -> Non
 
 def test_the_largest_fan_out_a_small_file_is_allowed_stays_cheap(tmp_path: Path) -> None:
     # issue 22 item 5: just inside the budget (42*42 names from 300 bytes): ~1 s and 50 MB alone (the
-    # time bound leaves room for a loaded machine: this one reads the storage 1,764 times)
+    # bounds leave room for a loaded machine, and for pytest's own size, which a forked child's peak includes)
     path = torch_zip(tmp_path / "fan.pt", fan_out(42), {"0": ONE})
     r = run_bounded("global-norm", path, seconds=20, memory_mb=1024)
-    assert r.returncode == 0 and "over 1,764 tensors" in r.stdout and r.seconds < 10 and r.peak_mb < 150, r
+    assert r.returncode == 0 and "over 1,764 tensors" in r.stdout and r.seconds < 10 and r.peak_mb < 300, r
     with pytest.raises(MalformedError, match="more tensors"):
         read_torch(torch_zip(tmp_path / "f.pt", fan_out(60), {"0": ONE}))
 

@@ -310,3 +310,63 @@ def dcp_checkpoint(
     (directory / "__0_0.distcp").write_bytes(bytes(blob))
     (directory / ".metadata").write_bytes(dcp_metadata(listed, storage))
     return directory
+
+
+# -- PyTorch files by hand (no torch) ----------------------------------------------------------------
+
+TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def torch_tensor_pickle(
+    key: str = "0",
+    numel: int = 4,
+    size: tuple[int, ...] = (4,),
+    stride: tuple[int, ...] = (1,),
+    storage: str = "FloatStorage",
+    flags: bytes = b"ccollections\nOrderedDict\n)R",
+    legacy: bool = False,
+) -> bytes:
+    """Protocol-2 opcodes (no PROTO, no STOP) of a tensor as torch.save writes one: _rebuild_tensor_v2 of a
+    persistent storage id (a legacy file's has a sixth item, its view); `flags` are the opcodes of its
+    metadata argument (an OrderedDict of flags)."""
+    import pickle
+
+    def tup(values: tuple[int, ...]) -> bytes:
+        return b"(" + b"".join(pickle.dumps(v, 2)[2:-1] for v in values) + b"t"
+
+    pid = b"(X\x07\x00\x00\x00storagectorch\n" + storage.encode() + b"\n" + pickle.dumps(key, 2)[2:-1]
+    pid += b"X\x03\x00\x00\x00cpu" + pickle.dumps(numel, 2)[2:-1] + (b"N" if legacy else b"") + b"tQ"
+    args = pid + b"K\x00" + tup(size) + tup(stride) + b"\x89ccollections\nOrderedDict\n)R" + flags
+    return b"ctorch._utils\n_rebuild_tensor_v2\n(" + args + b"tR"
+
+
+def torch_zip_file(
+    path: Path,
+    data_pkl: bytes,
+    storages: dict[str, bytes] | None = None,
+    prefix: str = "archive",
+    compression: int = 0,
+) -> Path:
+    """A zip laid out as torch.save writes one (its records stored unless `compression` says otherwise)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{prefix}/data.pkl", data_pkl, compression)
+        z.writestr(f"{prefix}/byteorder", "little")
+        for key, data in (storages or {}).items():
+            z.writestr(f"{prefix}/data/{key}", data)
+        z.writestr(f"{prefix}/version", "3\n")
+    return path
+
+
+def torch_legacy(path: Path, obj_pkl: bytes, storages: dict[str, bytes] | None = None, protocol: int = 2) -> Path:
+    """A legacy torch.save file: magic, protocol version, sys_info, the object's pickle, the storage keys, then
+    each storage behind its element count (float32 elements)."""
+    import pickle
+
+    sys_info = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 8}}
+    parts = [pickle.dumps(x, protocol) for x in (TORCH_LEGACY_MAGIC, 1001, sys_info)]
+    parts += [obj_pkl, pickle.dumps(list(storages or {}), protocol)]
+    parts += [struct.pack("<q", len(data) // 4) + data for data in (storages or {}).values()]
+    path.write_bytes(b"".join(parts))
+    return path

@@ -32,10 +32,10 @@ from clipcli.checkpoint._files import (
     ZipMember,
     atomic_write,
     crc32_of_parts,
+    file_format,
     read_head,
     resolve_target,
     sniff,
-    sniff_format,
 )
 from clipcli.checkpoint._npz import MAX_LZMA_DICTIONARY
 from clipcli.errors import (
@@ -489,7 +489,7 @@ def _open(path: Path) -> Checkpoint:
         metadata, tensors, files, index = _sharded.open_index(path, opener)
         return Checkpoint(path, "sharded-torch" if torch else "sharded", metadata, tensors, files, index, path)
     if kind == "directory":  # no suffix clipcli knows: the first bytes tell
-        kind = sniff_format(read_head(path)) or ""
+        kind = file_format(path) or ""
         if kind not in _FILE_FORMATS:
             raise FileTypeError(
                 "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "

@@ -23,16 +23,22 @@ SAFETENSORS = "a safetensors file"
 UNKNOWN = "not a known checkpoint format"
 HEAD_BYTES = 512  # enough to see a tar header's magic at 257
 
-_TORCH_MAGIC = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # LONG1 of torch's legacy magic number
+LEGACY_TORCH_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
+# The records of a torch archive (torch.save or torch.jit.save), in its one folder; an .npz holds .npy files.
+_TORCH_RECORDS = ("data.pkl", "constants.pkl", "version")
+_ZIP = (b"PK\x03\x04", b"PK\x05\x06")
 
 
 def sniff_format(head: bytes) -> str | None:
-    """The checkpoint format the first bytes of a file show ('safetensors', 'npy', 'npz', 'torch'), if any."""
+    """The checkpoint format the first bytes of a file show ('safetensors', 'npy', 'npz', 'torch'), if any.
+
+    A zip is taken for torch's when its first record is (see `file_format` for the whole directory).
+    """
     if head.startswith(b"\x93NUMPY"):
         return "npy"
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        return "torch" if _first_zip_member(head).endswith("data.pkl") else "npz"
-    if head[:1] == b"\x80" and head[2:14] == _TORCH_MAGIC:
+    if head.startswith(_ZIP):
+        return "torch" if _is_torch_record(_first_zip_member(head)) else "npz"
+    if head[:1] in (b"\x80", b"L") and _starts_with_torch_magic(head):  # L: protocols 0 and 1 write a LONG
         return "torch"
     if len(head) >= 9 and head[8:].lstrip(b" \t\r\n")[:1] == b"{" and int.from_bytes(head[:8], "little") < 1 << 32:
         return "safetensors"
@@ -44,6 +50,39 @@ def _first_zip_member(head: bytes) -> str:
         return ""
     n = int.from_bytes(head[26:28], "little")
     return head[30 : 30 + n].decode("utf-8", "replace")
+
+
+def file_format(path: Path) -> str | None:
+    """`sniff_format` of a file, a zip told by its directory: torch's records may lie anywhere in it
+    (torch.jit.save writes its storages first)."""
+    head = read_head(path)
+    fmt = sniff_format(head)
+    if fmt == "npz":
+        import zipfile  # here: only a zip without a known suffix needs it
+
+        try:
+            with zipfile.ZipFile(path) as z:
+                return "torch" if any(_is_torch_record(name) for name in z.namelist()) else "npz"
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            return fmt  # the reader says what is wrong with it
+    return fmt
+
+
+def _is_torch_record(name: str) -> bool:
+    folder, _, record = name.partition("/")
+    return bool(folder) and (record in _TORCH_RECORDS or record.startswith("code/"))
+
+
+def _starts_with_torch_magic(head: bytes) -> bool:
+    """Whether the first pickle is torch's legacy magic number, in any pickle protocol."""
+    from clipcli.checkpoint._pickle import unpickle_at  # here: only pickles need the machine
+    from clipcli.errors import ClipcliError
+
+    try:
+        value, _ = unpickle_at(head, 0, lambda module, name: None)
+    except ClipcliError:
+        return False
+    return type(value) is int and value == LEGACY_TORCH_MAGIC
 
 
 def sniff(head: bytes) -> str:
@@ -72,7 +111,7 @@ def sniff(head: bytes) -> str:
     if head.startswith(b"\x1f\x8b"):
         return "a gzip file"
     if head[257:262] == b"ustar":
-        return "a tar archive (PyTorch's format before version 0.4, which clipcli does not read)"
+        return "a tar archive (torch.save's format until early 2017, torch 0.1.x, which clipcli does not read)"
     if fmt == "safetensors":
         return SAFETENSORS
     if text.startswith((b"{", b"[")):

@@ -158,11 +158,13 @@ class _Machine:
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
-        # nesting depth of every tuple and frozenset built, by id (the object is kept so the id stays its own)
-        self.depth: dict[int, tuple[int, Any]] = {}
-        # the lengths of the arguments constructors may be handed, in all: every item takes a byte or more,
-        # so only memoized objects handed over again and again come near this
-        self.work_left = 65536 + 4 * (len(data) - offset)
+        # the nesting depth and expanded size of every tuple and frozenset that holds one or a huge integer,
+        # by id (the object is kept so that the id stays its own); any other has depth 1 and size 1 + len
+        self.shapes: dict[int, tuple[int, int, Any]] = {}
+        # the lengths of the arguments constructors may be handed, and the expanded sizes of the keys hashed,
+        # in all: every item takes a byte or more, so only memoized objects used again and again come near this
+        self.work_limit = 65536 + 4 * (len(data) - offset)
+        self.work_left = self.work_limit
         self.colliding_keys_left = MAX_COLLIDING_KEYS
         self.result: Any = None
         self.dispatch = self._dispatch_table()
@@ -332,17 +334,31 @@ class _Machine:
         self.stack = self.metastack.pop()
         return items
 
+    def _shape(self, obj: Any) -> tuple[int, int]:
+        """The nesting depth of a tuple or frozenset, and the items hashing it visits (shared ones again)."""
+        shape = self.shapes.get(id(obj))
+        return (shape[0], shape[1]) if shape is not None else (1, 1 + len(obj))
+
     def _note_depth(self, obj: tuple[Any, ...] | frozenset[Any]) -> None:
-        # Only nested ones are recorded (and kept alive, so that their ids stay theirs); any other tuple
-        # or frozenset has depth 1.
-        d = 1
+        # A tuple of memoized tuples (T(k+1) = (Tk, Tk)) is 2 bytes a level but 2**k items to hash or
+        # render: its expanded size is bounded like any other work, before anything hashes it.
+        depth, size = 1, 1
         for x in obj:
-            if type(x) in _NESTABLE:
-                d = max(d, self.depth.get(id(x), (1,))[0] + 1)
-        if d > 1:
-            if d > MAX_DEPTH:
-                raise MalformedError(f"the pickle nests tuples deeper than {MAX_DEPTH} levels")
-            self.depth[id(obj)] = (d, obj)
+            t = type(x)
+            if t in _NESTABLE:
+                d, n = self._shape(x)
+                depth, size = max(depth, d + 1), size + n
+            else:
+                size += 1 + (x.bit_length() >> 10 if t is int else 0)  # hashing an integer reads all its digits
+        if depth > MAX_DEPTH:
+            raise MalformedError(f"the pickle nests tuples deeper than {MAX_DEPTH} levels")
+        if size > self.work_limit:
+            raise MalformedError(
+                f"the pickle builds a {kind(obj)} of more than {self.work_limit} items once its shared members "
+                f"are expanded (at byte {self.op_pos})"
+            )
+        if depth > 1 or size > 1 + len(obj):
+            self.shapes[id(obj)] = (depth, size, obj)
 
     def _tuple(self, items: list[Any]) -> tuple[Any, ...]:
         t = tuple(items)
@@ -478,8 +494,10 @@ class _Machine:
         target.extend(items)
 
     def _charge_keys(self, keys: Any) -> None:
-        n = sum(1 for k in keys if type(k) in _MAY_COLLIDE and _may_collide(k))
+        colliding = [k for k in keys if type(k) in _MAY_COLLIDE and _may_collide(k)]
+        n = len(colliding)
         if n:
+            self._charge(sum(self._shape(k)[1] for k in colliding if type(k) in _NESTABLE), "its dicts and sets")
             self.colliding_keys_left -= n
             if self.colliding_keys_left < 0:
                 raise MalformedError(
@@ -488,7 +506,10 @@ class _Machine:
                 )
 
     def _charge_work(self, args: Any, what: str) -> None:
-        self.work_left -= 1 + sum(len(a) for a in args if isinstance(a, _SIZED))
+        self._charge(1 + sum(len(a) for a in args if isinstance(a, _SIZED)), what)
+
+    def _charge(self, units: int, what: str) -> None:
+        self.work_left -= units
         if self.work_left < 0:
             raise MalformedError(f"the pickle hands {what} more data than it holds (a memoized object again and again)")
 

@@ -65,6 +65,8 @@ def _dtypes() -> dict[str, Dtype]:
 
 DTYPES = _dtypes()
 BY_ARRAY_DTYPE = {d.array: d for d in DTYPES.values() if d.array is not None}
+# Types carried as bytes that an array of ml_dtypes holds byte for byte (float8_e8m0fnu from a PyTorch file)
+_BYTE_TYPES = {d.name: d for d in DTYPES.values() if d.array is None and d.bits == 8}
 
 
 # One tensor of a header: (start, nbytes, name, dtype, shape), its data at `start` (absolute) for `nbytes`
@@ -287,7 +289,8 @@ def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], met
 
 def dtype_for(array_dtype: np.dtype) -> Dtype:
     """The safetensors dtype of a NumPy / ml_dtypes array type."""
-    d = BY_ARRAY_DTYPE.get(np.dtype(array_dtype).newbyteorder("="))
+    native = np.dtype(array_dtype).newbyteorder("=")
+    d = BY_ARRAY_DTYPE.get(native) or _BYTE_TYPES.get(native.name)
     if d is None:
         raise UnsupportedError(f"safetensors has no dtype for {np.dtype(array_dtype).name}")
     return d

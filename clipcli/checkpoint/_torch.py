@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import Piece, Pieces, Span, sniff, zip_data_start
+from clipcli.checkpoint._files import LEGACY_TORCH_MAGIC, Piece, Pieces, Span, sniff, zip_data_start
 from clipcli.checkpoint._pickle import (
     MAX_DEPTH,
     PLAIN_GLOBALS,
@@ -45,6 +45,7 @@ from clipcli.checkpoint._pickle import (
     unpickle_at,
 )
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
+from clipcli.report import printable
 
 __all__ = [
     "TorchTensor",
@@ -61,10 +62,17 @@ __all__ = [
 # Bytes of pickle clipcli reads: a state dict of 10^5 tensors takes ~10 MB; unpickled, a pickle can take
 # up to ~100 times its size (an EMPTY_DICT opcode is 1 byte, a dict 64).
 MAX_PICKLE = 256 << 20
-MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
+MAGIC_NUMBER = LEGACY_TORCH_MAGIC  # the first pickle of a legacy torch.save file
 PROTOCOL_VERSION = 1001  # its second
 _MAX_INDEX = 1 << 63  # shapes, strides and offsets are int64 in torch
 _MAX_KEY_DEPTH = 100  # nesting of a tuple used as a dict key, as rendered in a name
+# The budget of names a pickle may flatten to (see _flatten): a tensor torch writes takes 60 bytes of pickle
+# or more (rebuild call, persistent id, size, stride), a metadata leaf 2 or more, and a memo GET names a
+# shared container or tensor again for 2 bytes. A tensor's name costs far more than a leaf's afterwards (its
+# records, ~1.5 KB, and a read of its storage by every command that reads values).
+_NAME_UNITS = 65536
+_NAME_UNITS_PER_BYTE = 16
+_TENSOR_UNITS = 32
 _FIRST_WINDOW = 1 << 20  # bytes of a legacy file read first to find its pickles (grown 8-fold as needed)
 
 
@@ -170,11 +178,14 @@ def _dtype_table() -> dict[str, _Dtype]:
         "float8_e5m2": ml_dtypes.float8_e5m2,
         "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
         "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+        "float8_e8m0fnu": ml_dtypes.float8_e8m0fnu,
     }
     table = {name: _Dtype(name, np.dtype(t).itemsize, np.dtype(t)) for name, t in arrays.items()}
-    # Listed and skipped: no NumPy type (complex32), quantized integers, scale and packed sub-byte types.
+    # Listed and skipped: types that neither NumPy nor ml_dtypes holds (complex32, a pair of float16s;
+    # float4_e2m1fn_x2, two 4-bit floats a byte, where ml_dtypes' float4_e2m1fn takes a byte each), quantized
+    # integers, and the bits types (bytes without a meaning).
     others = {"complex32": 4, "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1}
-    others.update({"float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2})
+    others.update({"float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2})
     others.update({"bits1x8": 1, "bits2x4": 1, "bits4x2": 1})
     others.update({f"{sign}int{bits}": 1 for sign in ("", "u") for bits in range(1, 8)})
     table.update({name: _Dtype(name, size, None) for name, size in others.items()})
@@ -320,17 +331,36 @@ def _rebuild_tensor_v3(
 
 
 def _metadata_skip(metadata: Any) -> str | None:
-    """Why a tensor with these flags (torch's conj and neg bits) cannot be read as stored, if it cannot."""
+    """Why a tensor with these flags cannot be read as stored, if it cannot.
+
+    torch writes only its conj and neg bits here (torch._utils.get_tensor_metadata); a flag it never writes
+    is a file clipcli does not understand, named in the reason only in part and escaped (it is the file's).
+    """
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
         raise MalformedError(f"tensor metadata is a {kind(metadata)}, not a dict")
-    flags = sorted(str(k) for k, v in metadata.items() if v)
-    if flags == ["conj"]:
-        return "conjugate view: torch conjugates the stored values on load"
-    if flags == ["neg"]:
-        return "negative view: torch negates the stored values on load"
-    return f"tensor flags {', '.join(flags)}" if flags else None
+    flags = [k for k, v in metadata.items() if v]
+    unknown = [k for k in flags if k not in _TENSOR_FLAGS]
+    if unknown:
+        return f"tensor flags that torch never writes ({_flag_names(unknown)})"
+    if not flags:
+        return None
+    flags.sort()
+    views, actions = " and ".join(_TENSOR_FLAGS[k] for k in flags), " and ".join(_FLAG_ACTIONS[k] for k in flags)
+    return f"{views} view: torch {actions} the stored values on load"
+
+
+_TENSOR_FLAGS = {"conj": "conjugate", "neg": "negative"}
+_FLAG_ACTIONS = {"conj": "conjugates", "neg": "negates"}
+_SHOWN_FLAGS = 3
+_FLAG_CHARS = 40
+
+
+def _flag_names(keys: list[Any]) -> str:
+    shown = [printable(k[:_FLAG_CHARS]) if type(k) is str else f"a {kind(k)}" for k in keys[:_SHOWN_FLAGS]]
+    more = len(keys) - _SHOWN_FLAGS
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def _dtype_arg(dtype: Any) -> _Dtype:
@@ -605,6 +635,12 @@ def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[
     """
     from clipcli.checkpoint import TensorInfo
 
+    if Path(path).suffix == ".distcp":  # torch.save archives one after another: only the whole directory reads
+        raise FileTypeError(
+            f"one file of a distributed checkpoint, which reads only as a whole: name its directory "
+            f"({Path(path).parent}) instead",
+            path,
+        )
     metadata, tensors = read_torch(path, start, end)
     # a storage is known by its file and key: shards of one checkpoint each have their own keys
     shared = {name: f"{path}:{key}" for key, names in shared_storages(tensors).items() for name in names}
@@ -662,7 +698,7 @@ def read_torch(
         MissingFileError: when the file cannot be opened.
         FileTypeError: when it is not a torch.save file.
         MalformedError: when it breaks the format (UnsafePickleError when its pickle asks for code).
-        UnsupportedError: for the pre-0.4 tar format, TorchScript archives and compressed storages.
+        UnsupportedError: for the tar format of torch 0.1.x, TorchScript archives and compressed storages.
     """
     path = Path(path)
     try:
@@ -694,7 +730,8 @@ def _read(
         root, storages, big_endian, pickle_size = _read_zip(region)
     elif len(head) >= 262 and head[257:262] == b"ustar":
         raise UnsupportedError(
-            "a torch.save file in the tar format of torch < 0.4; load and save it again with a newer torch"
+            "a torch.save file in the tar format that torch wrote until early 2017 (torch 0.1.x); load it with "
+            "torch and save it again"
         )
     else:
         root, storages, pickle_size = _read_legacy(region, head)
@@ -727,10 +764,14 @@ def _read_zip(region: _Region) -> tuple[Any, _Storages, bool, int]:
                     raise MalformedError(f"the zip holds two members named {info.filename!r}")
                 members[info.filename] = info
             prefix = _archive_prefix(infos)
+            _check_starts_at_zero(infos)
             data_pkl = members.get(prefix + "data.pkl")
             if prefix + "constants.pkl" in members or any(n.startswith(prefix + "code/") for n in members):
                 # TorchScript's data.pkl names its module classes (__torch__.*): code, not tensors
-                raise UnsupportedError("a TorchScript archive (torch.jit.save), not a torch.save file")
+                raise UnsupportedError(
+                    "a TorchScript archive written by torch.jit.save (a program and its weights), not a torch.save "
+                    "file; clipcli does not read TorchScript: torch.save the module's state_dict() instead"
+                )
             if data_pkl is None:
                 raise FileTypeError("a zip archive without data.pkl, not a torch.save file")
             order = members.get(prefix + "byteorder")
@@ -766,9 +807,24 @@ def _archive_prefix(infos: list[zipfile.ZipInfo]) -> str:
     return first[: first.index("/") + 1]
 
 
+def _check_starts_at_zero(infos: list[zipfile.ZipInfo]) -> None:
+    """Refuses a zip whose first record is not at its first byte: torch reads only such a zip, and
+    zipfile would read the last of two archives in one file (a .distcp file holds one per item)."""
+    first = min(info.header_offset for info in infos)
+    if first:
+        raise MalformedError(
+            f"the zip archive's first record is at byte {first}, not 0 (another archive or other bytes come "
+            "before it); torch reads only a zip that starts the file"
+        )
+
+
 def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, region: _Region, limit: int) -> bytes:
-    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-        raise UnsupportedError(f"record {info.filename} is compressed with method {info.compress_type}")
+    # torch stores every record; a compressed pickle would build objects far beyond the bytes in the file
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise UnsupportedError(
+            f"record {info.filename} is compressed (method {info.compress_type}); torch never compresses it, "
+            "and clipcli reads it only stored"
+        )
     if info.file_size > limit or info.compress_size > region.size:
         raise MalformedError(f"record {info.filename} claims {info.file_size} bytes")
     if info.CRC == 0 and info.file_size:
@@ -873,11 +929,13 @@ def _flatten(
     With `item`, the object is named `root_name` as an item of a container would be (its own items
     `root_name.key`, an empty container a metadata entry).
 
-    The walk is charged one unit per container or leaf and one per 4 characters of every name and value
-    it writes, against a budget proportional to the pickle's size: containers that share one another
-    (one list held twice by a list held twice by ...) would otherwise give names without end.
+    The walk is charged one unit per container or leaf and one per 16 characters of its name, and for every
+    entry it keeps one per 4 characters of its name and value and _TENSOR_UNITS per tensor, against a budget
+    proportional to the pickle's size: containers that share one another (one list held twice by a list
+    held twice by ...) would otherwise give names without end, and a file may not cost more than its bytes
+    justify.
     """
-    budget = 1_000_000 + 4 * pickle_size
+    budget = _NAME_UNITS + _NAME_UNITS_PER_BYTE * pickle_size
     tensors: list[TorchTensor] = []
     metadata: dict[str, str] = {}
     seen: set[str] = set()
@@ -885,16 +943,19 @@ def _flatten(
     pending: list[tuple[str | None, Any, Any, int]] = [(None, root_name, root, 1) if item else (None, None, root, 0)]
     while pending:
         parent, key, obj, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise MalformedError(f"the pickle nests containers deeper than {MAX_DEPTH} levels (or holds itself)")
         if depth == 0:
             name = root_name
         else:
             part = key if type(key) is str else _key_text(key)
             name = part if parent is None else f"{parent}.{part}"
-        budget -= 1 + len(name) // 4
+        budget -= 1 + len(name) // 16  # building the name; a leaf's is kept, and charged again below
         if budget < 0:
-            raise MalformedError("the pickle's containers share one another so often that their names would not end")
-        if depth > MAX_DEPTH:
-            raise MalformedError(f"the pickle nests containers deeper than {MAX_DEPTH} levels (or holds itself)")
+            raise MalformedError(
+                "the pickle's containers share one another (or hold themselves) so often that their names would "
+                f"not end: more tensors and values than its {pickle_size} bytes justify"
+            )
         children = _children(obj)
         if children is not None and (children or depth == 0):
             prefix = None if depth == 0 else name
@@ -903,10 +964,12 @@ def _flatten(
         if name in seen:
             raise MalformedError("two entries of the pickle flatten to this name", tensor=name)
         seen.add(name)
-        if isinstance(obj, _Tensor):
+        budget -= len(name) // 4
+        if isinstance(obj, (_Tensor, _Storage)):
+            budget -= _TENSOR_UNITS
+            if isinstance(obj, _Storage):  # a storage saved as such: all of it, as a 1-d tensor
+                obj = _Tensor(obj, 0, (obj.numel,), (1,))
             tensors.append(_describe(name, obj, big_endian))
-        elif isinstance(obj, _Storage):  # a storage saved as such: all of it, as a 1-d tensor
-            tensors.append(_describe(name, _Tensor(obj, 0, (obj.numel,), (1,)), big_endian))
         else:
             text = metadata[name] = _render(obj, name)
             budget -= len(text) // 4

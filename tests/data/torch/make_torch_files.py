@@ -95,6 +95,21 @@ def legacy_untyped() -> dict:
     }
 
 
+def float8() -> dict:
+    """Every float8 type torch saves, each with a transposed and a strided view (read through strides), and a
+    packed type that neither NumPy nor ml_dtypes holds."""
+    torch.manual_seed(7)
+    out = {}
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        out[str(dtype).removeprefix("torch.")] = (torch.randn(3, 4) * 4).to(dtype)
+    out["float8_e8m0fnu"] = torch.rand(3, 4).mul(8).add(0.1).to(torch.float8_e8m0fnu)  # no sign, no zero
+    for name, m in list(out.items()):
+        out[f"{name}_t"] = m.t()
+        out[f"{name}_step"] = m.reshape(-1)[1::3]
+    out["packed"] = torch.tensor([0x12, 0x34], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    return out
+
+
 def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
@@ -256,7 +271,7 @@ SKIP_KINDS = [
     ("quantized", lambda t: t.is_quantized),
     ("conjugate", lambda t: t.is_conj()),
     ("negative", lambda t: t.is_neg()),
-    ("no NumPy type", lambda t: t.dtype in (torch.complex32,)),
+    ("no NumPy type", lambda t: t.dtype in (torch.complex32, torch.float4_e2m1fn_x2)),
 ]
 
 
@@ -398,6 +413,7 @@ def main() -> None:
         "pytorch_model.bin": (model.state_dict(), {}),
         "lightning.ckpt": (lightning(model, opt), {}),
         "protocol5.pt": (views(), {"pickle_protocol": 5}),
+        "float8.pt": (float8(), {}),
         "no_byteorder.pt": (model.state_dict(), {"_disable_byteorder_record": True}),
     }
     only = sys.argv[1:]  # names to write, e.g. to keep the legacy files (their storage keys are addresses)

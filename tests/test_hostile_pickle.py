@@ -58,8 +58,12 @@ def test_one_file_of_a_distributed_checkpoint_is_refused_naming_its_directory(tm
 
 def test_two_concatenated_archives_are_refused(tmp_path: Path) -> None:
     # issue 22 item 1: zipfile reads the last of two archives in one file; torch reads only one at byte 0
-    first = torch_zip_file(tmp_path / "a.pt", b"\x80\x02}X\x01\x00\x00\x00a" + torch_tensor_pickle() + b"s.", {"0": ONE})
-    second = torch_zip_file(tmp_path / "b.pt", b"\x80\x02}X\x01\x00\x00\x00b" + torch_tensor_pickle() + b"s.", {"0": ONE})
+    first = torch_zip_file(
+        tmp_path / "a.pt", b"\x80\x02}X\x01\x00\x00\x00a" + torch_tensor_pickle() + b"s.", {"0": ONE}
+    )
+    second = torch_zip_file(
+        tmp_path / "b.pt", b"\x80\x02}X\x01\x00\x00\x00b" + torch_tensor_pickle() + b"s.", {"0": ONE}
+    )
     both = tmp_path / "both.pt"
     both.write_bytes(first.read_bytes() + second.read_bytes())
     with pytest.raises(MalformedError, match=f"first record is at byte {first.stat().st_size}, not 0"):
@@ -164,7 +168,9 @@ def test_the_largest_fan_out_a_small_file_is_allowed_stays_cheap(tmp_path: Path)
 
 def flagged(path: Path, flags: dict[str, bool]) -> Path:
     metadata = b"ccollections\nOrderedDict\n)R" + b"".join(pickle.dumps(k, 2)[2:-1] + b"\x88s" for k in flags)
-    return torch_zip_file(path, b"\x80\x02}X\x01\x00\x00\x00w" + torch_tensor_pickle(flags=metadata) + b"s.", {"0": ONE})
+    return torch_zip_file(
+        path, b"\x80\x02}X\x01\x00\x00\x00w" + torch_tensor_pickle(flags=metadata) + b"s.", {"0": ONE}
+    )
 
 
 def test_unknown_tensor_flags_are_named_escaped_and_bounded(tmp_path: Path) -> None:

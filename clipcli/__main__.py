@@ -1,14 +1,12 @@
 """The `clipcli` command and `python -m clipcli`: Ctrl-C and SIGTERM handled from the first moment, then the app."""
 
 import gc
-import signal
 
-from clipcli.errors import Terminated, exit_stopped, stop
+from clipcli.errors import exit_stopped, install_stop_handlers, stop_status
 
 
 def main() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop)
+    install_stop_handlers()  # first: a stop while the imports below run is ours, and ends the process by it
     # A run makes many objects that live to its end (modules, a few records per tensor) and few cycles.
     # Python collects every 700 net allocations, and each collection walks every young object: that cost a
     # tenth of the imports; at 100,000, one collection still walked 10,000 tensors' records (14 ms).
@@ -16,7 +14,9 @@ def main() -> None:
     gc.set_threshold(300_000, 20, 100)
     try:
         from clipcli.cli import main as run  # typer and the commands: a tenth of a second
-    except (KeyboardInterrupt, Terminated):
+    except BaseException:
+        if stop_status() is None:
+            raise
         exit_stopped()
     try:
         run()

@@ -21,6 +21,7 @@ from clipcli.errors import (
     ClipcliError,
     ExitStatus,
     Terminated,
+    defer_stops,
     exit_stopped,
     ignore_stops_if_committed,
     install_stop_handlers,
@@ -273,6 +274,7 @@ def _stopped(status: ExitStatus) -> NoReturn:
 def _errors(debug: bool) -> Iterator[None]:
     """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70)."""
     try:
+        _import_commands()
         yield
     except KeyboardInterrupt:
         _stopped(ExitStatus.INTERRUPTED)
@@ -283,6 +285,16 @@ def _errors(debug: bool) -> Iterator[None]:
         if status is not None:  # a stop's exception turned into another on its way (NumPy's import: an ImportError)
             _stopped(status)
         _failed(e, debug)
+
+
+def _import_commands() -> None:
+    """Imports the commands, and NumPy with them, with stops held until the import is done: a KeyboardInterrupt
+    raised inside NumPy's import comes out as an ImportError after NumPy's C code printed its traceback."""
+    resume = defer_stops()
+    try:
+        import clipcli.commands  # noqa: F401
+    finally:
+        resume()
 
 
 def _failed(e: Exception, debug: bool) -> NoReturn:
@@ -552,10 +564,10 @@ def global_norm(
     A gate (--fail-above, --fail-nonfinite) never passes because nothing was measured: a checkpoint with no
     floating tensor selected is a usage error (exit 2) when a gate is given.
     """
-    p = _parse_ord(ord)
-    limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
-    gated = limit is not None or fail_nonfinite
-    with _errors(debug):
+    with _errors(debug):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
+        p = _parse_ord(ord)
+        limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
+        gated = limit is not None or fail_nonfinite
         from clipcli import commands
         from clipcli.checkpoint import open_checkpoint
         from clipcli.errors import CheckFailedError, UsageError
@@ -858,10 +870,10 @@ def diff(
     in one checkpoint only, and shape mismatches, are listed. Without a gate the exit status is 0 whatever
     differs, as with `git diff`.
     """
-    p = _parse_ord(ord)
-    limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
-    rel_limit = None if fail_rel_above is None else _parse_limit(fail_rel_above, "--fail-rel-above")
-    with _errors(debug):
+    with _errors(debug):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
+        p = _parse_ord(ord)
+        limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
+        rel_limit = None if fail_rel_above is None else _parse_limit(fail_rel_above, "--fail-rel-above")
         from clipcli import commands
         from clipcli.checkpoint import open_checkpoint
         from clipcli.errors import CheckFailedError, UsageError

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
 import signal
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn
+
+# typing.TYPE_CHECKING without importing typing, which is a third of what runs before `__main__` installs the
+# stop handlers (a stop until then is Python's: a traceback)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, NoReturn
 
 
 class ExitStatus(enum.IntEnum):
@@ -98,11 +102,13 @@ def exit_stopped(announce: bool = True) -> NoReturn:
     """
     status = stop_status() or ExitStatus.INTERRUPTED
     signum = signal.SIGINT if status == ExitStatus.INTERRUPTED else signal.SIGTERM
-    with contextlib.suppress(Exception):  # a closed stream must not keep the process from ending
+    try:
         if announce:
             sys.stderr.write("clipcli: interrupted\n" if signum == signal.SIGINT else "clipcli: terminated\n")
         sys.stderr.flush()
         sys.stdout.flush()
+    except Exception:  # a closed or full stream must not keep the process from ending
+        pass
     signal.signal(signum, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])

@@ -138,7 +138,7 @@ class ClipcliError(Exception):
         return _rebuild, (type(self), self.message, self.path, self.tensor, self.__dict__)
 
     def __str__(self) -> str:
-        where = [] if self.path is None else [self.path]
+        where = [] if self.path is None else [shown_path(self.path)]
         if self.tensor is not None:
             where.append(f"tensor {self.tensor}")
         return printable(": ".join([*where, _one_line(self.message)]))  # no control character reaches a terminal
@@ -149,6 +149,12 @@ def _rebuild(cls: type, message: str, path: str | None, tensor: str | None, stat
     Exception.__init__(error, message)
     error.__dict__.update(state)
     return error
+
+
+def shown_path(path: str) -> str:
+    """A path as it can be typed back: a relative one starting with '-' (typed `./-x.safetensors`, which pathlib
+    shortens to `-x.safetensors`) gets its './' again, so that a command line does not take it for an option."""
+    return f"./{path}" if path.startswith("-") and path != "-" else path
 
 
 def _one_line(text: str) -> str:

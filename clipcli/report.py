@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from clipcli.errors import printable
+from clipcli.errors import printable, shown_path
 
 SCHEMA = 1
 
@@ -110,6 +110,11 @@ class CheckpointReport:
     files: tuple[str, ...] = ()  # the files a conversion writes (or would, on a dry run)
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
 
+    def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
+        object.__setattr__(self, "path", shown_path(self.path))
+        if self.output is not None:
+            object.__setattr__(self, "output", shown_path(self.output))
+
 
 @dataclass(frozen=True)
 class DiffRow:
@@ -184,6 +189,10 @@ class DiffReport:
     mismatched: tuple[Mismatch, ...]
     groups: tuple[DiffGroup, ...] | None = None
     group_count: int = 0  # the groups there are (--top may show fewer)
+
+    def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
+        object.__setattr__(self, "a", shown_path(self.a))
+        object.__setattr__(self, "b", shown_path(self.b))
 
     @property
     def different(self) -> list[str]:

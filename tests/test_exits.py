@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import ctypes
 import io
+import json
 import os
 import shutil
 import signal
@@ -407,3 +408,18 @@ def test_csv_text_cells_cannot_be_formulas_and_numbers_stay_numbers(tmp_path):
     rows = list(csv.DictReader(io.StringIO(out)))
     assert {r["cosine"] for r in rows} == {"-1.0"}
     assert sorted(r["name"] for r in rows if r["kind"] == "tensor")[0] == "'+1+2"
+
+
+def test_a_path_starting_with_a_dash_is_shown_as_typed(grads, tmp_path, monkeypatch):
+    # issue 22 item 25: `./-x.safetensors` was echoed as `-x.safetensors`, which a command line takes for an option
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(grads, tmp_path / "-x.safetensors")
+    done = clipcli("global-norm", "./-x.safetensors")
+    assert done.stdout.startswith("./-x.safetensors: global norm ")
+    assert json.loads(clipcli("inspect", "./-x.safetensors", "--format", "json").stdout)["checkpoints"][0]["path"] == (
+        "./-x.safetensors"
+    )
+    gate = clipcli("global-norm", "./-x.safetensors", "--fail-above", "1", "-q")
+    assert gate.returncode == 1 and one_error_line(gate.stderr).startswith("clipcli: error: ./-x.safetensors: ")
+    diff = clipcli("diff", "./-x.safetensors", grads)
+    assert diff.stdout.startswith(f"./-x.safetensors -> {grads}: ")

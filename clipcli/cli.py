@@ -134,7 +134,8 @@ def _root(
     """Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.
 
     Exit status: 0 success, 1 a check failed (--fail-above, --fail-nonfinite, a clip whose norm is not
-    finite), 2 usage error, 3 unreadable input, 4 output not written, 70 internal error, 130 interrupted.
+    finite), 2 usage error, 3 unreadable input, 4 output or report not written, 70 internal error; Ctrl-C and
+    SIGTERM end it by the signal (130, 143 in a shell).
     """
 
 

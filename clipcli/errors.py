@@ -22,7 +22,9 @@ class ExitStatus(enum.IntEnum):
     CHECK_FAILED = 1  # --fail-above / --fail-nonfinite tripped, or a clip needs a norm that is not finite
     USAGE = 2  # a bad option or value (Click's own convention)
     BAD_INPUT = 3  # missing file, wrong file type, malformed checkpoint, unsupported dtype or conversion
-    WRITE_FAILED = 4  # the output could not be written, or would overwrite the input
+    WRITE_FAILED = (
+        4  # the output or the report (stdout closed, full) could not be written, or would overwrite the input
+    )
     INTERNAL = 70  # a bug (EX_SOFTWARE)
     INTERRUPTED = 130  # Ctrl-C (SIGINT)
     TERMINATED = 143  # SIGTERM (what `timeout`, `kill` and a cancelled CI job send)

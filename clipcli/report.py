@@ -6,6 +6,7 @@ import codecs
 import csv
 import functools
 import io
+import itertools
 import json
 import math
 import operator
@@ -502,7 +503,7 @@ def to_csv(report: Report) -> str:
     over every selected tensor; for `inspect`, the totals).
     """
     buf = io.StringIO()
-    w = _CsvWriter(buf)
+    w = csv.writer(buf, lineterminator="\n")
     if report.diff is not None:
         _diff_csv(w, report.diff)
         return buf.getvalue()
@@ -510,9 +511,9 @@ def to_csv(report: Report) -> str:
         w.writerow(["path", "name", "dtype", "shape", "elements", "nbytes", "file", "kind"])
         for c in report.checkpoints:
             for t in c.listing:
-                row = [c.path, t.name, t.dtype, _shape_text(t.shape), t.elements, t.nbytes]
-                w.writerow([*row, t.file, "tensor"])
-            w.writerow([c.path, "", "", "", c.summary.elements, c.summary.nbytes, "", "global"])
+                row = [_text(c.path), _text(t.name), t.dtype, _shape_text(t.shape), t.elements, t.nbytes]
+                w.writerow([*row, _text(t.file), "tensor"])
+            w.writerow([_text(c.path), "", "", "", c.summary.elements, c.summary.nbytes, "", "global"])
         return buf.getvalue()
     clip = report.command != "global-norm"
     w.writerow(
@@ -523,15 +524,17 @@ def to_csv(report: Report) -> str:
     for c in report.checkpoints:
         for t in c.tensors:
             nums = [_csv_num(t.norm), _csv_num(t.max_abs), t.nan, t.inf]
-            row = [c.path, t.name, t.dtype, _shape_text(t.shape), *nums]
+            row = [_text(c.path), _text(t.name), t.dtype, _shape_text(t.shape), *nums]
             row.append(_csv_num(t.share))
             w.writerow(row + ([_csv_num(t.norm_after), _csv_num(t.max_abs_after)] if clip else []) + ["tensor"])
         for g in c.groups or ():
             w.writerow(
-                [c.path, g.name, "", "", _csv_num(g.norm), "", "", "", _csv_num(g.share)] + ["", ""] * clip + ["group"]
+                [_text(c.path), _text(g.name), "", "", _csv_num(g.norm), "", "", "", _csv_num(g.share)]
+                + ["", ""] * clip
+                + ["group"]
             )
         s = c.summary
-        total = [c.path, "", "", "", _csv_num(c.global_norm), _csv_num(s.max_abs), s.nan, s.inf, ""]
+        total = [_text(c.path), "", "", "", _csv_num(c.global_norm), _csv_num(s.max_abs), s.nan, s.inf, ""]
         w.writerow(total + ([_csv_num(c.global_norm_after), _csv_num(s.max_abs_after)] if clip else []) + ["global"])
     return buf.getvalue()
 
@@ -545,40 +548,25 @@ def _diff_csv(w: Any, d: DiffReport) -> None:
     w.writerow(["name", "shape", "dtype_a", "dtype_b", *numbers, "changed", "identical", "share", "kind"])
     for r in d.shown:
         nums = [r.norm_a, r.norm_b, r.diff_norm, r.rel, r.cosine, r.max_abs_diff]
-        row = [printable(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b, *map(_csv_num, nums), r.changed]
+        row = [_text(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b, *map(_csv_num, nums), r.changed]
         w.writerow([*row, int(r.identical), _csv_num(r.share), "tensor"])
     blank = [""] * 4
     for g in d.groups or ():
         nums = [_csv_num(g.norm_a), "", _csv_num(g.diff_norm), _csv_num(g.rel)]
-        w.writerow([printable(g.name), "", "", "", *nums, *blank[:3], "", _csv_num(g.share), "group"])
+        w.writerow([_text(g.name), "", "", "", *nums, *blank[:3], "", _csv_num(g.share), "group"])
     for r in d.others:
-        row = [printable(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b]
+        row = [_text(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b]
         w.writerow([*row, *blank, *blank[:3], int(r.identical), "", "skipped"])
     s = d.stats
     nums = [s.norm_a, s.norm_b, s.diff_norm, s.rel, s.cosine, s.max_abs_diff]
     w.writerow([*blank, *map(_csv_num, nums), s.changed, int(not d.different), "", "global"])
 
 
-class _CsvWriter:
-    """A CSV writer whose text cells are safe to open: escaped as for a terminal, and, where a spreadsheet
-    would take one for a formula (it starts with = + - @), prefixed with ' (numbers such as -1.5 stay as they are)."""
-
-    def __init__(self, buf: io.StringIO):
-        self._writer = csv.writer(buf, lineterminator="\n")
-
-    def writerow(self, row: Sequence[Any]) -> None:
-        self._writer.writerow([_csv_cell(c) if type(c) is str else c for c in row])
-
-
-def _csv_cell(text: str) -> str:
+def _text(text: str) -> str:
+    """A CSV text cell (a path, a name): escaped as for a terminal, and prefixed with ' where a spreadsheet would
+    take it for a formula (it starts with = + - @). Number cells never come here: -1.5 stays a number."""
     text = printable(text)
-    if text[:1] not in ("=", "+", "-", "@"):
-        return text
-    try:
-        float(text)
-    except ValueError:
-        return "'" + text
-    return text
+    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
 
 
 def _csv_num(x: float | None) -> str:
@@ -668,7 +656,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Iterable
 
     Cells are escaped (`printable`) before they are measured; columns in `right` are right-aligned.
     """
-    body = [list(headers), *(list(map(printable, r)) for r in rows)]
+    body = [list(headers), *(list(r) for r in rows)]
+    if not "".join(itertools.chain.from_iterable(body)).isprintable():  # one test for the common case
+        body = [list(map(printable, row)) for row in body]
     if _ENCODING.get() != "utf-8":
         body = [[_shown(cell) for cell in row] for row in body]
     widths = [max(_width(row[i]) for row in body) for i in range(len(headers))]
@@ -725,8 +715,8 @@ def _render_text(report: Report) -> str:
         blocks = [_several_lines(report)]
     else:
         blocks = [_checkpoint_lines(report.command, report.checkpoints[0], report.ord)]
-    # every line escaped whole: a reason, a metadata value or a mismatch that comes from a file as much as a name
-    return "\n\n".join("\n".join(map(printable, b)) for b in blocks) + "\n"
+    # every line escaped whole: a reason, a metadata value or a mismatch comes from a file as much as a name
+    return "\n\n".join("\n".join(b if "".join(b).isprintable() else map(printable, b)) for b in blocks) + "\n"
 
 
 def _inspect_lines(c: CheckpointReport, command: str = "inspect") -> list[str]:

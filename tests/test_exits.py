@@ -401,7 +401,8 @@ def test_csv_text_cells_cannot_be_formulas_and_numbers_stay_numbers(tmp_path):
         out = CliRunner().invoke(app, [command, str(src), "--format", "csv"]).stdout
         rows = list(csv.DictReader(io.StringIO(out)))
         shown = sorted(r["name"] for r in rows if r["kind"] == "tensor")
-        assert shown == sorted(['\'=HYPERLINK("http://x")', "'+1+2", "'-cmd", "'@SUM(A1)", "-1.5", "ok"])
+        # a text cell gets the prefix whatever follows (a name "-1.5" is text): only number cells are numbers
+        assert shown == sorted(['\'=HYPERLINK("http://x")', "'+1+2", "'-cmd", "'@SUM(A1)", "'-1.5", "ok"])
     # numbers are numbers: a cosine of -1 stays -1.0
     b = tmp_path / "neg.safetensors"
     b.write_bytes(st_bytes({n: np.array([1.5, -0.5], np.float32) for n in names}))

@@ -71,6 +71,15 @@ def install_stop_handlers() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, stop)
+    sys.unraisablehook = _unraisable
+
+
+def _unraisable(unraisable: Any) -> None:
+    """Python's hook for an exception it swallows (raised in a `__del__`, a weakref callback of the import
+    machinery), without its "Exception ignored" traceback for a stop's: that one is remembered in `_stops`
+    and ends the command all the same."""
+    if not (_stops and isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated))):
+        sys.__unraisablehook__(unraisable)
 
 
 def commit_begins() -> None:

@@ -179,6 +179,31 @@ def test_a_stop_during_numpys_import_is_one_line_and_the_signal(grads, sig):
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_python_swallows_prints_no_exception_ignored(grads, tmp_path, sig):
+    # issue 22 item 15: a SIGTERM landing in a weakref callback of the import machinery printed "Exception
+    # ignored in: <function _get_module_lock.<locals>.cb>" and a traceback before "clipcli: terminated"
+    code = (
+        "import os, sys\n"
+        "from clipcli import errors\n"
+        "class Stop:\n"
+        f"    def __del__(self): errors.stop({int(sig)})  # raised where Python swallows it\n"
+        "real = os.fsync\n"
+        "def fsync(fd):\n"
+        "    Stop()\n"
+        "    real(fd)\n"
+        "os.fsync = fsync\n"
+        "from clipcli.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    out = tmp_path / "out.safetensors"
+    done = subprocess.run([sys.executable, "-c", code, "clip-global-norm", str(grads), "-o", str(out), "--clip-norm",
+                           "1"], capture_output=True, text=True, env=ENV, timeout=60)  # fmt: skip
+    assert done.returncode == -sig
+    assert done.stderr == ("clipcli: interrupted\n" if sig == signal.SIGINT else "clipcli: terminated\n")
+    assert not out.exists()
+
+
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory) -> Path:
     """A checkpoint that takes a good part of a second to clip, to stop at any moment of a run."""

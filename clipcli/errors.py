@@ -71,15 +71,21 @@ def install_stop_handlers() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, stop)
-    sys.unraisablehook = _unraisable
+    if not getattr(sys.unraisablehook, "quiet_stops", False):
+        sys.unraisablehook = _quiet_stops(sys.unraisablehook)
 
 
-def _unraisable(unraisable: Any) -> None:
+def _quiet_stops(hook: Callable[[Any], None]) -> Callable[[Any], None]:
     """Python's hook for an exception it swallows (raised in a `__del__`, a weakref callback of the import
     machinery), without its "Exception ignored" traceback for a stop's: that one is remembered in `_stops`
     and ends the command all the same."""
-    if not (_stops and isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated))):
-        sys.__unraisablehook__(unraisable)
+
+    def unraisable(unraisable: Any) -> None:
+        if not (_stops and isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated))):
+            hook(unraisable)
+
+    unraisable.quiet_stops = True  # type: ignore[attr-defined]
+    return unraisable
 
 
 def commit_begins() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `python -m clipcli` runs this first
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from clipcli.core import clip_by_global_norm as clip_by_global_norm
     from clipcli.core import clip_by_norm as clip_by_norm
     from clipcli.core import clip_by_value as clip_by_value

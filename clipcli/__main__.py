@@ -3,20 +3,27 @@
 import gc
 import signal
 
-from clipcli.errors import Terminated, exit_stopped, stop
+_STOPS = {signal.SIGINT, signal.SIGTERM}
 
 
 def main() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop)
+    # Stops are blocked (held by the system) until clipcli's handlers are in place: one that came meanwhile is
+    # delivered to them when unblocked, in the `try` below; before, it was Python's KeyboardInterrupt traceback.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    from clipcli.errors import exit_stopped, install_stop_handlers, stop_status
+
+    install_stop_handlers()
     # A run makes many objects that live to its end (modules, a few records per tensor) and few cycles.
     # Python collects every 700 net allocations, and each collection walks every young object: that cost a
     # tenth of the imports; at 100,000, one collection still walked 10,000 tensors' records (14 ms).
     # Garbage in cycles, which alone needs a collection, stays bounded by this count.
     gc.set_threshold(300_000, 20, 100)
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         from clipcli.cli import main as run  # typer and the commands: a tenth of a second
-    except (KeyboardInterrupt, Terminated):
+    except BaseException:
+        if stop_status() is None:
+            raise
         exit_stopped()
     try:
         run()

@@ -4,10 +4,10 @@
 # as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
 
 import contextlib
+import errno
 import importlib.util
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from enum import Enum
@@ -21,9 +21,11 @@ from clipcli.errors import (
     ClipcliError,
     ExitStatus,
     Terminated,
+    defer_stops,
     exit_stopped,
     ignore_stops_if_committed,
-    stop,
+    install_stop_handlers,
+    printable,
     stop_status,
 )
 
@@ -39,15 +41,28 @@ class _Command(typer.core.TyperCommand):
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
 
 
+class _Group(typer.core.TyperGroup):
+    """`--show-completion [SHELL]` and `--install-completion [SHELL]`: an option's value that may be left out,
+    which Typer's parser cannot say (Typer's own options are flags that ignore a shell named after them)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args[:1] in (["--show-completion"], ["--install-completion"]) and args[1:2] in ([], ["-h"], ["--help"]):
+            args = [args[0], "", *args[1:]]  # no SHELL: the current shell
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
     name="clipcli",
+    cls=_Group,
     help="Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.",
     no_args_is_help=True,
-    add_completion=True,
+    add_completion=False,  # ours take a SHELL (`_completion`): Typer's gave bash's script for `--show-completion zsh`
     pretty_exceptions_show_locals=False,  # a crash must never dump tensors
     rich_markup_mode=None,  # plain help and usage errors: rich is imported only to draw a report
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+typer.completion.completion_init()  # the shells the completion scripts call back with (add_completion did it)
 
 ISSUES_URL = "https://github.com/clipcli/clipcli/issues"
 PROGRESS_MIN_BYTES = 256 << 20
@@ -86,25 +101,70 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _completion(ctx: typer.Context, param: Any, value: str | None) -> None:
+    """--show-completion [SHELL] and --install-completion [SHELL]: Typer's own, for SHELL or, without one, for
+    the shell clipcli runs in."""
+    if value is None or ctx.resilient_parsing:
+        return
+    from typer import completion
+
+    callback = completion.show_callback if param.name == "show_completion" else completion.install_callback
+    callback(ctx, param, value or True)  # True: Typer finds the current shell
+
+
+def _completion_option(name: str, what: str) -> Any:
+    return typer.Option(
+        name,
+        metavar="[SHELL]",
+        callback=_completion,
+        is_eager=True,
+        expose_value=False,
+        help=f"{what} completion for SHELL (bash, zsh, fish, powershell, pwsh; default: the current shell).",
+    )
+
+
 @app.callback()
 def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
     ] = False,
+    install_completion: Annotated[str | None, _completion_option("--install-completion", "Install")] = None,
+    show_completion: Annotated[str | None, _completion_option("--show-completion", "Show")] = None,
 ) -> None:
     """Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.
 
     Exit status: 0 success, 1 a check failed (--fail-above, --fail-nonfinite, a clip whose norm is not
-    finite), 2 usage error, 3 unreadable input, 4 output not written, 70 internal error, 130 interrupted.
+    finite), 2 usage error, 3 unreadable input, 4 output or report not written, 70 internal error; Ctrl-C and
+    SIGTERM end it by the signal (130, 143 in a shell).
     """
 
 
 # --- Option types shared by the commands ------------------------------------------------------------
 
+
+def _path(text: str) -> Path:
+    """A checkpoint's path as given. Not Click's Path type, which refuses a file it cannot read as a usage error
+    (exit 2; the contract: exit 3, one line), and takes an empty path for the current directory."""
+    if not text:
+        raise typer.BadParameter("an empty path names no file")
+    return Path(text)
+
+
+def _report_path(text: str) -> Path:
+    """--report FILE. `-` is refused as `-o -` is: the JSON on stdout is `--format json`, and a second way there
+    would need rules for `--format csv --report -` or `--quiet --report -`."""
+    if text == "-":
+        raise typer.BadParameter(
+            "clipcli writes the report to a file, not standard output; for JSON on standard output use --format json"
+        )
+    return _path(text)
+
+
 Checkpoints = Annotated[
     list[Path],
     typer.Argument(
         metavar="CKPT...",
+        parser=_path,
         help="Checkpoints: .safetensors, .npz, .npy or PyTorch (.pt, .pth, .bin, .ckpt) files, sharded indexes "
         "(*.safetensors.index.json, pytorch_model.bin.index.json), or directories (shards, or a "
         "torch.distributed.checkpoint).",
@@ -115,6 +175,7 @@ OneCheckpoint = Annotated[
     Path,
     typer.Argument(
         metavar="CKPT",
+        parser=_path,
         help="The checkpoint to clip (a .safetensors, .npz, .npy or PyTorch file, a sharded index or directory).",
         show_default=False,
     ),
@@ -174,7 +235,8 @@ DropMetadata = Annotated[
 ]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Compute and report, write nothing.")]
 ReportFile = Annotated[
-    Path | None, typer.Option("--report", metavar="FILE", help="Also write the report as JSON to FILE.")
+    Path | None,
+    typer.Option("--report", metavar="FILE", parser=_report_path, help="Also write the report as JSON to FILE."),
 ]
 Jobs = Annotated[
     int | None,
@@ -200,7 +262,12 @@ def _examples(*lines: str) -> str:
 
 
 def _fail(message: str, status: int) -> NoReturn:
-    typer.echo(f"clipcli: error: {message}", err=True)
+    typer.echo(f"clipcli: error: {printable(message)}", err=True)
+    raise typer.Exit(status)
+
+
+def _stopped(status: ExitStatus) -> NoReturn:
+    typer.echo("clipcli: interrupted" if status == ExitStatus.INTERRUPTED else "clipcli: terminated", err=True)
     raise typer.Exit(status)
 
 
@@ -208,32 +275,48 @@ def _fail(message: str, status: int) -> NoReturn:
 def _errors(debug: bool) -> Iterator[None]:
     """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70)."""
     try:
+        _import_commands()
         yield
     except KeyboardInterrupt:
-        typer.echo("clipcli: interrupted", err=True)
-        raise typer.Exit(ExitStatus.INTERRUPTED) from None
+        _stopped(ExitStatus.INTERRUPTED)
     except Terminated:
-        typer.echo("clipcli: terminated", err=True)
-        raise typer.Exit(ExitStatus.TERMINATED) from None
-    except BrokenPipeError:
+        _stopped(ExitStatus.TERMINATED)
+    except Exception as e:
+        status = stop_status()
+        if status is not None:  # a stop's exception turned into another on its way (NumPy's import: an ImportError)
+            _stopped(status)
+        _failed(e, debug)
+
+
+def _import_commands() -> None:
+    """Imports the commands, and NumPy with them, with stops held until the import is done: a KeyboardInterrupt
+    raised inside NumPy's import comes out as an ImportError after NumPy's C code printed its traceback."""
+    resume = defer_stops()
+    try:
+        import clipcli.commands  # noqa: F401
+    finally:
+        resume()
+
+
+def _failed(e: Exception, debug: bool) -> NoReturn:
+    """Called in the `except` of `e`: its one line and exit status, or Click's usage block for a usage error
+    that names its option (a usage error found in the checkpoint, such as nothing to clip, is one line)."""
+    if isinstance(e, BrokenPipeError):
         # The reader of stdout went away (`clipcli ... | head`): not an error of ours.
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(ExitStatus.OK) from None
-    except ClipcliError as e:
-        if debug:
-            raise
-        if e.status == ExitStatus.USAGE:
-            raise typer.BadParameter(str(e), param_hint=getattr(e, "param", None)) from None
+    if debug or type(e).__module__.split(".")[0] in ("typer", "click"):
+        raise  # Typer's own exits and usage errors
+    if isinstance(e, ClipcliError):
+        if e.status == ExitStatus.USAGE and getattr(e, "param", None):
+            raise typer.BadParameter(str(e), param_hint=e.param) from None
         _fail(str(e), e.status)
-    except Exception as e:
-        if debug or type(e).__module__.split(".")[0] in ("typer", "click"):
-            raise  # Typer's own exits and usage errors
-        detail = " ".join(f"{type(e).__name__}: {e}".split())
-        _fail(
-            f"internal error ({detail}); this is a bug, please report it at {ISSUES_URL} with the output of --debug",
-            ExitStatus.INTERNAL,
-        )
+    detail = " ".join(f"{type(e).__name__}: {e}".split())
+    _fail(
+        f"internal error ({detail}); this is a bug, please report it at {ISSUES_URL} with the output of --debug",
+        ExitStatus.INTERNAL,
+    )
 
 
 def _usage(message: str, param: str) -> NoReturn:
@@ -342,6 +425,8 @@ def _progress(total: int, quiet: bool) -> Iterator[Any]:
 def _write(text: str, for_programs: bool) -> None:
     """The report on stdout: JSON and CSV as UTF-8 whatever the locale (RFC 8259), the table in the
     terminal's encoding with what it cannot show escaped (a bar, a name, under cp1252 or ASCII)."""
+    if sys.stdout is None:  # started with it closed (`>&-`, a daemon): Python gives no stream
+        raise OSError(errno.EBADF, "closed")
     buffer = getattr(sys.stdout, "buffer", None)
     if for_programs and buffer is not None:
         sys.stdout.flush()
@@ -384,7 +469,7 @@ def _emit(
     except OSError as e:  # a full disk under `> norms.json`: the report, not the checkpoint, is lost
         from clipcli.errors import WriteError
 
-        with contextlib.suppress(OSError):  # what stays buffered must not fail again at exit (status 120)
+        with contextlib.suppress(OSError, AttributeError):  # what stays buffered must not fail again at exit (120)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
         raise WriteError(f"cannot write the report: {e.strerror or e}", "standard output") from e
@@ -480,10 +565,10 @@ def global_norm(
     A gate (--fail-above, --fail-nonfinite) never passes because nothing was measured: a checkpoint with no
     floating tensor selected is a usage error (exit 2) when a gate is given.
     """
-    p = _parse_ord(ord)
-    limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
-    gated = limit is not None or fail_nonfinite
-    with _errors(debug):
+    with _errors(debug):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
+        p = _parse_ord(ord)
+        limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
+        gated = limit is not None or fail_nonfinite
         from clipcli import commands
         from clipcli.checkpoint import open_checkpoint
         from clipcli.errors import CheckFailedError, UsageError
@@ -741,8 +826,10 @@ def clip_global_norm(
     ),
 )
 def diff(
-    a: Annotated[Path, typer.Argument(metavar="A", help="The checkpoint compared against (the reference).")],
-    b: Annotated[Path, typer.Argument(metavar="B", help="The checkpoint compared with A.")],
+    a: Annotated[
+        Path, typer.Argument(metavar="A", parser=_path, help="The checkpoint compared against (the reference).")
+    ],
+    b: Annotated[Path, typer.Argument(metavar="B", parser=_path, help="The checkpoint compared with A.")],
     ord: Ord = "2",
     depth: Depth = None,
     sort: Annotated[
@@ -783,10 +870,10 @@ def diff(
     in one checkpoint only, and shape mismatches, are listed. Without a gate the exit status is 0 whatever
     differs, as with `git diff`.
     """
-    p = _parse_ord(ord)
-    limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
-    rel_limit = None if fail_rel_above is None else _parse_limit(fail_rel_above, "--fail-rel-above")
-    with _errors(debug):
+    with _errors(debug):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
+        p = _parse_ord(ord)
+        limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
+        rel_limit = None if fail_rel_above is None else _parse_limit(fail_rel_above, "--fail-rel-above")
         from clipcli import commands
         from clipcli.checkpoint import open_checkpoint
         from clipcli.errors import CheckFailedError, UsageError
@@ -832,7 +919,9 @@ def _parse_size(text: str, param: str) -> int:
         value = float(number) * _UNITS[unit]
     except (ValueError, KeyError):
         _usage(f"must be a size such as 5GB, 500MiB or 1000000 (bytes), got {text!r}", param)
-    if not (math.isfinite(value) and value >= 1):
+    if not math.isfinite(value):
+        _usage(f"must be a finite size, got {text}", param)
+    if value < 1:
         _usage(f"must be at least 1 byte, got {text}", param)
     return int(value)
 
@@ -848,7 +937,10 @@ def _parse_size(text: str, param: str) -> int:
 def convert(
     ctx: typer.Context,
     checkpoint: Annotated[
-        Path, typer.Argument(metavar="CKPT", help="The checkpoint to convert (a file, sharded index or directory).")
+        Path,
+        typer.Argument(
+            metavar="CKPT", parser=_path, help="The checkpoint to convert (a file, sharded index or directory)."
+        ),
     ],
     output: Annotated[
         str,
@@ -909,20 +1001,24 @@ def convert(
 def main(argv: list[str] | None = None) -> None:
     """The console script (and `python -m clipcli`): runs the app; exits with the contract's status.
 
-    Ctrl-C (exit 130) and SIGTERM (143) stop a command with its temporary files removed and the target
-    untouched, wherever they arrive before the output starts to replace its target: a signal whose exception
-    Python swallowed on the way (in an at-fork hook, a `__del__`) still keeps the write from being committed
-    and sets the exit status. From the commit on a stop is held and dropped: the command runs to its end.
+    Ctrl-C and SIGTERM stop a command with its temporary files removed and the target untouched, wherever they
+    arrive before the output starts to replace its target: a signal whose exception Python swallowed on the way
+    (in an at-fork hook, a `__del__`) or turned into another (an import's) still keeps the write from being
+    committed. The process then ends by the signal itself (`exit_stopped`). From the commit on a stop is held and
+    dropped: the command runs to its end.
     """
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop)
+    install_stop_handlers()
+    announced = False
     try:
         app(args=argv, prog_name="clipcli")
-    except (KeyboardInterrupt, Terminated):
-        pass  # before a command started or after it ended
     except SystemExit as e:
-        if stop_status() in (None, e.code):
+        announced = e.code == stop_status()  # the command's `_errors` said it
+        if stop_status() is None:
+            raise
+    except BaseException:  # before a command started or after it ended, or as an import's error
+        if stop_status() is None:
             raise
     finally:
         ignore_stops_if_committed()  # the output is in place: a stop on the way out must not end it by the signal
-    exit_stopped()
+    if stop_status() is not None:
+        exit_stopped(announce=not announced)

@@ -6,8 +6,13 @@ import enum
 import os
 import signal
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn
+
+# typing.TYPE_CHECKING without importing typing, which is a third of what runs before `__main__` installs the
+# stop handlers (a stop until then is Python's: a traceback)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, NoReturn
 
 
 class ExitStatus(enum.IntEnum):
@@ -17,7 +22,9 @@ class ExitStatus(enum.IntEnum):
     CHECK_FAILED = 1  # --fail-above / --fail-nonfinite tripped, or a clip needs a norm that is not finite
     USAGE = 2  # a bad option or value (Click's own convention)
     BAD_INPUT = 3  # missing file, wrong file type, malformed checkpoint, unsupported dtype or conversion
-    WRITE_FAILED = 4  # the output could not be written, or would overwrite the input
+    WRITE_FAILED = (
+        4  # the output or the report (stdout closed, full) could not be written, or would overwrite the input
+    )
     INTERNAL = 70  # a bug (EX_SOFTWARE)
     INTERRUPTED = 130  # Ctrl-C (SIGINT)
     TERMINATED = 143  # SIGTERM (what `timeout`, `kill` and a cancelled CI job send)
@@ -58,12 +65,35 @@ def defer_stops() -> Callable[[], None]:
     return resume
 
 
+def install_stop_handlers() -> None:
+    """Makes SIGINT and SIGTERM stop the command (`stop`), except one the process was started with ignored (a
+    background job's SIGINT, `nohup`): that stays ignored, as for any program."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, stop)
+    if not getattr(sys.unraisablehook, "quiet_stops", False):
+        sys.unraisablehook = _quiet_stops(sys.unraisablehook)
+
+
+def _quiet_stops(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Python's hook for an exception it swallows (raised in a `__del__`, a weakref callback of the import
+    machinery), without its "Exception ignored" traceback for a stop's: that one is remembered in `_stops`
+    and ends the command all the same."""
+
+    def unraisable(unraisable: Any) -> None:
+        if not (_stops and isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated))):
+            hook(unraisable)
+
+    unraisable.quiet_stops = True  # type: ignore[attr-defined]
+    return unraisable
+
+
 def commit_begins() -> None:
     """From here on an output replaces its target: a stop can no longer undo the write, and may neither exit 130
     ("the target untouched") once a target is replaced nor leave some shards of an output replaced and others
     not. Stops are dropped from here to the exit (`ignore_stops_if_committed`); the command runs to its end.
     Only where the command line's handler is installed (a library's caller keeps Python's own)."""
-    if signal.getsignal(signal.SIGINT) is stop:
+    if stop in (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)):
         _committing[0] = True
 
 
@@ -82,11 +112,25 @@ def stop_status() -> ExitStatus | None:
     return ExitStatus.INTERRUPTED if _stops[0] == signal.SIGINT else ExitStatus.TERMINATED
 
 
-def exit_stopped() -> NoReturn:
-    """Says the command was stopped (one line on stderr) and exits with the stop signal's status."""
+def exit_stopped(announce: bool = True) -> NoReturn:
+    """Says the command was stopped (one line on stderr, unless `announce` is false: said already), then ends
+    the process by the stop signal itself, with its default action: a shell sees 130 or 143 and stops its loop
+    or script as for any program (an exit status of 130 would let `for f in *; do clipcli ...; done` go on).
+    """
     status = stop_status() or ExitStatus.INTERRUPTED
-    sys.stderr.write("clipcli: interrupted\n" if status == ExitStatus.INTERRUPTED else "clipcli: terminated\n")
-    sys.exit(status)
+    signum = signal.SIGINT if status == ExitStatus.INTERRUPTED else signal.SIGTERM
+    try:
+        if announce:
+            sys.stderr.write("clipcli: interrupted\n" if signum == signal.SIGINT else "clipcli: terminated\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:  # a closed or full stream must not keep the process from ending
+        pass
+    signal.signal(signum, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os.kill(os.getpid(), signum)
+    sys.exit(status)  # not reached: the signal's default action ends the process
 
 
 def raise_if_stopped() -> None:
@@ -111,10 +155,10 @@ class ClipcliError(Exception):
         return _rebuild, (type(self), self.message, self.path, self.tensor, self.__dict__)
 
     def __str__(self) -> str:
-        where = [] if self.path is None else [_printable(self.path)]
+        where = [] if self.path is None else [shown_path(self.path)]
         if self.tensor is not None:
-            where.append(f"tensor {_printable(self.tensor)}")
-        return ": ".join([*where, _printable(_one_line(self.message))])  # no control character reaches a terminal
+            where.append(f"tensor {self.tensor}")
+        return printable(": ".join([*where, _one_line(self.message)]))  # no control character reaches a terminal
 
 
 def _rebuild(cls: type, message: str, path: str | None, tensor: str | None, state: dict) -> ClipcliError:
@@ -124,13 +168,22 @@ def _rebuild(cls: type, message: str, path: str | None, tensor: str | None, stat
     return error
 
 
+def shown_path(path: str) -> str:
+    """A path as it can be typed back: a relative one starting with '-' (typed `./-x.safetensors`, which pathlib
+    shortens to `-x.safetensors`) gets its './' again, so that a command line does not take it for an option."""
+    return f"./{path}" if path.startswith("-") and path != "-" else path
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _printable(name: str) -> str:
-    """A name as is, or quoted with escapes when it holds a newline or another control character."""
-    return name if name.isprintable() else repr(name)
+def printable(text: str) -> str:
+    """`text` with control and other non-printable characters escaped (`\\x1b`, `\\n`), never sent raw: the one
+    escaping of every string that comes from a file (names, reasons, metadata, messages) before it is shown."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class UsageError(ClipcliError):

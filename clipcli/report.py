@@ -6,6 +6,7 @@ import codecs
 import csv
 import functools
 import io
+import itertools
 import json
 import math
 import operator
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+from clipcli.errors import printable, shown_path
 
 SCHEMA = 1
 
@@ -108,6 +111,11 @@ class CheckpointReport:
     files: tuple[str, ...] = ()  # the files a conversion writes (or would, on a dry run)
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
 
+    def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
+        object.__setattr__(self, "path", shown_path(self.path))
+        if self.output is not None:
+            object.__setattr__(self, "output", shown_path(self.output))
+
 
 @dataclass(frozen=True)
 class DiffRow:
@@ -182,6 +190,10 @@ class DiffReport:
     mismatched: tuple[Mismatch, ...]
     groups: tuple[DiffGroup, ...] | None = None
     group_count: int = 0  # the groups there are (--top may show fewer)
+
+    def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
+        object.__setattr__(self, "a", shown_path(self.a))
+        object.__setattr__(self, "b", shown_path(self.b))
 
     @property
     def different(self) -> list[str]:
@@ -499,9 +511,9 @@ def to_csv(report: Report) -> str:
         w.writerow(["path", "name", "dtype", "shape", "elements", "nbytes", "file", "kind"])
         for c in report.checkpoints:
             for t in c.listing:
-                row = [printable(c.path), printable(t.name), t.dtype, _shape_text(t.shape), t.elements, t.nbytes]
-                w.writerow([*row, printable(t.file), "tensor"])
-            w.writerow([printable(c.path), "", "", "", c.summary.elements, c.summary.nbytes, "", "global"])
+                row = [_text(c.path), _text(t.name), t.dtype, _shape_text(t.shape), t.elements, t.nbytes]
+                w.writerow([*row, _text(t.file), "tensor"])
+            w.writerow([_text(c.path), "", "", "", c.summary.elements, c.summary.nbytes, "", "global"])
         return buf.getvalue()
     clip = report.command != "global-norm"
     w.writerow(
@@ -512,17 +524,17 @@ def to_csv(report: Report) -> str:
     for c in report.checkpoints:
         for t in c.tensors:
             nums = [_csv_num(t.norm), _csv_num(t.max_abs), t.nan, t.inf]
-            row = [printable(c.path), printable(t.name), t.dtype, _shape_text(t.shape), *nums]
+            row = [_text(c.path), _text(t.name), t.dtype, _shape_text(t.shape), *nums]
             row.append(_csv_num(t.share))
             w.writerow(row + ([_csv_num(t.norm_after), _csv_num(t.max_abs_after)] if clip else []) + ["tensor"])
         for g in c.groups or ():
             w.writerow(
-                [printable(c.path), printable(g.name), "", "", _csv_num(g.norm), "", "", "", _csv_num(g.share)]
+                [_text(c.path), _text(g.name), "", "", _csv_num(g.norm), "", "", "", _csv_num(g.share)]
                 + ["", ""] * clip
                 + ["group"]
             )
         s = c.summary
-        total = [printable(c.path), "", "", "", _csv_num(c.global_norm), _csv_num(s.max_abs), s.nan, s.inf, ""]
+        total = [_text(c.path), "", "", "", _csv_num(c.global_norm), _csv_num(s.max_abs), s.nan, s.inf, ""]
         w.writerow(total + ([_csv_num(c.global_norm_after), _csv_num(s.max_abs_after)] if clip else []) + ["global"])
     return buf.getvalue()
 
@@ -536,18 +548,25 @@ def _diff_csv(w: Any, d: DiffReport) -> None:
     w.writerow(["name", "shape", "dtype_a", "dtype_b", *numbers, "changed", "identical", "share", "kind"])
     for r in d.shown:
         nums = [r.norm_a, r.norm_b, r.diff_norm, r.rel, r.cosine, r.max_abs_diff]
-        row = [printable(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b, *map(_csv_num, nums), r.changed]
+        row = [_text(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b, *map(_csv_num, nums), r.changed]
         w.writerow([*row, int(r.identical), _csv_num(r.share), "tensor"])
     blank = [""] * 4
     for g in d.groups or ():
         nums = [_csv_num(g.norm_a), "", _csv_num(g.diff_norm), _csv_num(g.rel)]
-        w.writerow([printable(g.name), "", "", "", *nums, *blank[:3], "", _csv_num(g.share), "group"])
+        w.writerow([_text(g.name), "", "", "", *nums, *blank[:3], "", _csv_num(g.share), "group"])
     for r in d.others:
-        row = [printable(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b]
+        row = [_text(r.name), _shape_text(r.shape), r.dtype_a, r.dtype_b]
         w.writerow([*row, *blank, *blank[:3], int(r.identical), "", "skipped"])
     s = d.stats
     nums = [s.norm_a, s.norm_b, s.diff_norm, s.rel, s.cosine, s.max_abs_diff]
     w.writerow([*blank, *map(_csv_num, nums), s.changed, int(not d.different), "", "global"])
+
+
+def _text(text: str) -> str:
+    """A CSV text cell (a path, a name): escaped as for a terminal, and prefixed with ' where a spreadsheet would
+    take it for a formula (it starts with = + - @). Number cells never come here: -1.5 stays a number."""
+    text = printable(text)
+    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
 
 
 def _csv_num(x: float | None) -> str:
@@ -555,13 +574,6 @@ def _csv_num(x: float | None) -> str:
 
 
 # --- Text -------------------------------------------------------------------------------------------
-
-
-def printable(text: str) -> str:
-    """`text` with control and other non-printable characters escaped (`\\x1b`, `\\n`), never sent raw."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def plural(n: int, noun: str) -> str:
@@ -616,6 +628,14 @@ def _holds(encoding: str, text: str) -> bool:
     return True
 
 
+_ASCII_SYMBOLS = str.maketrans({"‖": "|", "−": "-"})
+
+
+def symbols(text: str, encoding: str | None = None) -> str:
+    """The report's own symbols (‖A−B‖) as `encoding` (default: the output's) can show them: |A-B| in ASCII."""
+    return text if _holds(encoding or _ENCODING.get(), text) else text.translate(_ASCII_SYMBOLS)
+
+
 def _shown(text: str) -> str:
     """`text` as the output's encoding can show it: what it cannot hold escaped (`\\u2588`)."""
     if text.isascii():
@@ -634,9 +654,11 @@ def _width(text: str) -> int:
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Iterable[int] = ()) -> list[str]:
     """Lines of a plain table: columns one space apart, never wrapped or cut (a long line overflows).
 
-    Cells are shown as given (escape names with `printable` first); columns in `right` are right-aligned.
+    Cells are escaped (`printable`) before they are measured; columns in `right` are right-aligned.
     """
     body = [list(headers), *(list(r) for r in rows)]
+    if not "".join(itertools.chain.from_iterable(body)).isprintable():  # one test for the common case
+        body = [list(map(printable, row)) for row in body]
     if _ENCODING.get() != "utf-8":
         body = [[_shown(cell) for cell in row] for row in body]
     widths = [max(_width(row[i]) for row in body) for i in range(len(headers))]
@@ -657,14 +679,12 @@ def headline(command: str, c: CheckpointReport, p: float) -> str:
     norm_name = "global norm" if p == 2 else f"global {_ord(p)}-norm"
     counted = plural(s.tensors, "tensor")
     skipped = f", {len(c.skipped):,} skipped" if c.skipped else ""
-    path = printable(c.path)
+    path = c.path
     if command == "global-norm":
         top = s.largest
-        largest = (
-            f"; largest share: {printable(top.name)} ({(top.share or 0) * 100:.1f}%)" if top and s.tensors > 1 else ""
-        )
+        largest = f"; largest share: {top.name} ({(top.share or 0) * 100:.1f}%)" if top and s.tensors > 1 else ""
         return f"{path}: {norm_name} {_fmt(c.global_norm)} over {counted}{skipped}{largest}"
-    target = "dry run, nothing written" if c.output is None else f"written to {printable(c.output)}"
+    target = "dry run, nothing written" if c.output is None else f"written to {c.output}"
     after = f"{_fmt(c.global_norm)} -> {_fmt(c.global_norm_after)}"
     if command == "clip-global-norm":
         what = f"{norm_name} {after} (scale {_fmt(c.scale)})"
@@ -695,27 +715,27 @@ def _render_text(report: Report) -> str:
         blocks = [_several_lines(report)]
     else:
         blocks = [_checkpoint_lines(report.command, report.checkpoints[0], report.ord)]
-    return "\n\n".join("\n".join(b) for b in blocks) + "\n"
+    # every line escaped whole: a reason, a metadata value or a mismatch comes from a file as much as a name
+    return "\n\n".join("\n".join(b if "".join(b).isprintable() else map(printable, b)) for b in blocks) + "\n"
 
 
 def _inspect_lines(c: CheckpointReport, command: str = "inspect") -> list[str]:
     s = c.summary
     counts = f"{plural(s.tensors, 'tensor')}, {plural(s.elements, 'parameter')}, {_size(s.nbytes)}"
     if command == "convert":
-        target = "dry run, nothing written" if c.output is None else f"written to {printable(c.output)}"
+        target = "dry run, nothing written" if c.output is None else f"written to {c.output}"
         shards = [f for f in c.files if not f.endswith(".index.json")]
         files = f" in {plural(len(shards), 'shard')} and an index" if len(shards) < len(c.files) else ""
-        lines = [f"{printable(c.path)}: {c.format} -> {counts}{files}; {target}"]
+        lines = [f"{c.path}: {c.format} -> {counts}{files}; {target}"]
     else:
-        lines = [f"{printable(c.path)}: {c.format}, {counts}"]
-        lines += [f"  metadata {printable(k)} = {printable(v)}" for k, v in (c.metadata or {}).items()]
+        lines = [f"{c.path}: {c.format}, {counts}"]
+        lines += [f"  metadata {k} = {v}" for k, v in (c.metadata or {}).items()]
     if len(c.listing) < s.tensors:
         lines.append(f"showing {len(c.listing):,} of {plural(s.tensors, 'tensor')}")
     several = len(c.files) > 1 if command == "convert" else c.format in ("sharded", "sharded-torch", "distcp")
     headers = ["tensor", "dtype", "shape", "elements", "size"] + (["file"] if several else [])
     rows = (
-        [printable(t.name), t.dtype, _shape_text(t.shape), f"{t.elements:,}", _size(t.nbytes)]
-        + ([printable(t.file)] if several else [])
+        [t.name, t.dtype, _shape_text(t.shape), f"{t.elements:,}", _size(t.nbytes)] + ([t.file] if several else [])
         for t in c.listing
     )
     lines += table(headers, rows, right=(3, 4))
@@ -726,7 +746,7 @@ def _inspect_lines(c: CheckpointReport, command: str = "inspect") -> list[str]:
 
 def _shared_lines(c: CheckpointReport) -> list[str]:
     what = "one storage in the file" if c.output is None else "written as separate copies"
-    return [f"tied: {', '.join(printable(n) for n in names)} ({what})" for names in c.shared]
+    return [f"tied: {', '.join(names)} ({what})" for names in c.shared]
 
 
 def _several_lines(report: Report) -> list[str]:
@@ -735,16 +755,16 @@ def _several_lines(report: Report) -> list[str]:
     for c in report.checkpoints:
         s = c.summary
         counts = [f"{s.tensors:,}", f"{len(c.skipped):,}", _fmt(s.max_abs), f"{s.nan:,}", f"{s.inf:,}"]
-        rows.append([printable(c.path), _fmt(c.global_norm), *counts])
+        rows.append([c.path, _fmt(c.global_norm), *counts])
     lines = table(headers, rows, right=range(1, 7))
     for c in report.checkpoints:
         if c.groups is not None:
-            lines += ["", f"{printable(c.path)}: groups", *_group_lines(c.groups, c.group_count)]
+            lines += ["", f"{c.path}: groups", *_group_lines(c.groups, c.group_count)]
     return lines
 
 
 def _group_lines(groups: Sequence[Group], count: int) -> list[str]:
-    rows = ([printable(g.name), f"{g.tensors:,}", _fmt(g.norm), share_bar(g.share)] for g in groups)
+    rows = ([g.name, f"{g.tensors:,}", _fmt(g.norm), share_bar(g.share)] for g in groups)
     return _showing_groups(groups, count) + table(["group", "tensors", "norm", "share"], rows, right=(1, 2))
 
 
@@ -762,7 +782,7 @@ def _checkpoint_lines(command: str, c: CheckpointReport, p: float) -> list[str]:
     headers += ["nan", "inf"]
     rows = []
     for t in c.tensors:
-        cells = [printable(t.name), t.dtype, _shape_text(t.shape), _fmt(t.norm)]
+        cells = [t.name, t.dtype, _shape_text(t.shape), _fmt(t.norm)]
         if clip:
             cells += [_fmt(t.norm_after), _fmt(t.max_abs), _fmt(t.max_abs_after)]
         else:
@@ -785,13 +805,13 @@ def _checkpoint_lines(command: str, c: CheckpointReport, p: float) -> list[str]:
 def _skipped_lines(skipped: Sequence[Skipped], most: int = 10) -> list[str]:
     """A line per skipped tensor; beyond `most`, a line per reason with a count and the first names."""
     if len(skipped) <= most:
-        return [f"skipped {printable(s.name)} ({s.dtype}): {s.reason}" for s in skipped]
+        return [f"skipped {s.name} ({s.dtype}): {s.reason}" for s in skipped]
     by_reason: dict[str, list[str]] = {}
     for s in skipped:
         by_reason.setdefault(s.reason, []).append(s.name)
     lines = []
     for reason, names in by_reason.items():
-        first = ", ".join(printable(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        first = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         lines.append(f"skipped {plural(len(names), 'tensor')} ({first}): {reason}")
     return [*lines, "(every skipped tensor is listed in --format json)"]
 
@@ -813,7 +833,7 @@ def _cosine(c: float | None) -> str:
 
 def _diff_lines(d: DiffReport, p: float) -> list[str]:
     s = d.stats
-    name = "‖A−B‖" if p == 2 else f"‖A−B‖{_ord(p)}"
+    name = symbols("‖A−B‖" if p == 2 else f"‖A−B‖{_ord(p)}")
     identical = sum(r.identical for r in d.tensors)
     head = f"{printable(d.a)} -> {printable(d.b)}: {name} {_fmt(s.diff_norm)}"
     head += f" (rel {_percent(s.rel)}, cosine {_cosine(s.cosine)}) over {plural(len(d.tensors), 'tensor')}"

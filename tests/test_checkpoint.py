@@ -530,7 +530,7 @@ MALFORMED = {
     "surrogate-name.safetensors": (
         st_case(raw=SURROGATE_NAME + bytes(12)),
         MalformedError,
-        "tensor '\\ud800': the tensor's name holds a lone surrogate",
+        "tensor \\ud800: the tensor's name holds a lone surrogate",
     ),
     "surrogate-metadata.safetensors": (
         st_case(raw=SURROGATE_METADATA + bytes(12)),
@@ -772,7 +772,8 @@ def test_error_lines_escape_control_characters_in_names(tmp_path):
     path.write_bytes(raw_safetensors({"\n": {}}))
     with pytest.raises(MalformedError) as e:
         open_checkpoint(path)
-    assert str(e.value) == f"{path}: tensor '\\n': missing or non-string 'dtype'"
+    # escaped as in a report (issue 22 item 10: one escaping function), no longer quoted as repr() does
+    assert str(e.value) == f"{path}: tensor \\n: missing or non-string 'dtype'"
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])

@@ -442,21 +442,21 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = Path(path)
     if os.fspath(path) == "-":
         raise FileTypeError("clipcli reads checkpoints from files, not from standard input; save it to a file", path)
-    if not path.exists():
-        raise MissingFileError("no such file or directory", path)
-    if not (path.is_dir() or path.is_file()):
-        raise FileTypeError(
-            "not a regular file (a pipe or a device?): clipcli reads checkpoints in place; save it to a file first",
-            path,
-        )
     try:
+        if not path.exists():
+            raise MissingFileError("no such file or directory", path)
+        if not (path.is_dir() or path.is_file()):
+            raise FileTypeError(
+                "not a regular file (a pipe or a device?): clipcli reads checkpoints in place; save it to a file first",
+                path,
+            )
         return _checked_text(_open(path))
     except ClipcliError as e:
         if e.path is None:
             e.path = str(path)
         raise
-    except OSError as e:
-        raise InputError(f"cannot read: {e.strerror or e}", path) from e
+    except OSError as e:  # named as the system names it: the shard or the directory without permission
+        raise InputError(f"cannot read: {e.strerror or e}", e.filename or path) from e
 
 
 def _open(path: Path) -> Checkpoint:
@@ -833,7 +833,8 @@ def plan(
         else:
             raise UsageError("a directory output needs a sharded input; name a .safetensors, .npz or .npy file", out)
     elif max_shard is not None:
-        raise UsageError("--max-shard-size writes shards: name a directory (or a *.safetensors.index.json)", out)
+        message = "writes shards: name a directory (or a *.safetensors.index.json)"
+        raise UsageError(message, out, "--max-shard-size")
     else:
         layout = Plan([(out, tensors)])
     _check_no_stale_shards(layout, source.index_path if source.format == "sharded-torch" else None)

@@ -396,7 +396,8 @@ def resolve_target(target: Path) -> Path:
 def atomic_write(target: Path) -> Iterator[BinaryIO]:
     """Yields a temporary file beside `target` that replaces it only once complete and fsynced.
 
-    The result gets the mode a new file gets (the umask's) or keeps the mode of the file it replaces.
+    The result gets the mode a new file gets (the umask's) or keeps the mode of the file it replaces, and its
+    owner and group where the process may give them (root may: `--in-place` as root kept root's).
     On any failure, or an interrupt, the temporary file is removed and the target stays as it was.
 
     Raises:
@@ -406,9 +407,10 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
     if real.is_dir():
         raise WriteError("is a directory", target)
     try:
-        mode = stat.S_IMODE(real.stat().st_mode)
+        st = real.stat()
+        mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
     except FileNotFoundError:
-        mode = 0o666 & ~_umask()
+        mode, owner = 0o666 & ~_umask(), None
     except OSError as e:
         raise WriteError(e.strerror or str(e), target) from e
     import tempfile  # here: only writes need it (and its imports)
@@ -424,7 +426,9 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
             resume()
             yield cast(BinaryIO, _EarlyWriteback(f))
             f.flush()
-            os.fchmod(f.fileno(), mode)
+            if owner is not None:
+                _keep_owner(f.fileno(), owner)
+            os.fchmod(f.fileno(), mode)  # after fchown, which clears set-user-ID bits
             os.fsync(f.fileno())
         raise_if_stopped()  # a stop whose exception was swallowed on the way never commits the write
         commit_begins()  # from here on a stop is dropped (the command line's handler)
@@ -436,6 +440,14 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
             raise WriteError(e.strerror or str(e), target) from e
         raise
     _fsync_dir(real.parent)
+
+
+def _keep_owner(fd: int, owner: tuple[int, int]) -> None:
+    """Gives the file the owner and group it replaces, where the process may (others than root: only a group
+    of their own, and their own files)."""
+    if hasattr(os, "fchown"):
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, *owner)
 
 
 class _EarlyWriteback:

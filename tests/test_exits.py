@@ -1,0 +1,452 @@
+"""Issue 22: exit statuses, signals, the command line and the report (items 10, 14-19 and 25's low items)."""
+
+from __future__ import annotations
+
+import csv
+import ctypes
+import io
+import json
+import os
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from clipcli import report as render
+from clipcli.cli import app
+from tests.conftest import raw_safetensors, run_bounded, st_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "PYTHONPATH": str(ROOT)}
+EVIL = "\x1b]0;title\x07\x1b[2J"  # sets a terminal's window title, then clears its screen
+CONTROLS = "\x1b\x07\x9b"
+
+
+def clipcli(*args: object, **kwargs: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "clipcli", *map(str, args)], capture_output=True, text=True, env=ENV, **kwargs
+    )
+
+
+@pytest.fixture
+def grads(tmp_path: Path) -> Path:
+    path = tmp_path / "grads.safetensors"
+    shutil.copy(ROOT / "samples" / "grads.safetensors", path)
+    return path
+
+
+def one_error_line(stderr: str) -> str:
+    assert stderr.count("\n") == 1 and stderr.startswith("clipcli: error: "), stderr
+    return stderr
+
+
+# --- 10: every string from a file is escaped ---------------------------------------------------------
+
+
+def _bin(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def flagged_pt(path: Path, flag: str) -> Path:
+    """A zip .pt (hand-written protocol-2 pickle) of one float32 tensor whose flags dict holds `flag`."""
+    storage = b"(" + _bin("storage") + b"ctorch\nFloatStorage\n" + _bin("0") + _bin("cpu") + b"J\x02\0\0\0tQ"
+    ordered = b"ccollections\nOrderedDict\n)R"
+    flags = b"}(" + _bin(flag) + b"\x88u"
+    args = b"(" + storage + b"J\0\0\0\0" + b"(J\x02\0\0\0t" + b"(J\x01\0\0\0t" + b"\x89" + ordered + flags + b"t"
+    tensor = b"ctorch._utils\n_rebuild_tensor_v2\n" + args + b"R"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}(" + _bin("w") + tensor + b"u.")
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/data/0", np.ones(2, np.float32).tobytes())
+        z.writestr("archive/version", "3\n")
+    return path
+
+
+def test_a_skip_reason_from_a_file_reaches_no_terminal_raw(tmp_path):
+    # issue 22 item 10: a tensor-flags key holding escapes set the window title through "skipped w: tensor flags ..."
+    src = flagged_pt(tmp_path / "flags.pt", EVIL)
+    r = run_bounded("global-norm", src, seconds=30, memory_mb=1024)
+    assert r.returncode in (0, 3), r  # a skip line, or a refusal of flags torch does not know: escaped either way
+    assert not any(c in r.stdout + r.stderr for c in CONTROLS), r
+    assert "\\x1b]0;title\\x07\\x1b[2J" in r.stdout + r.stderr
+
+
+def test_the_text_report_escapes_every_line_not_only_names():
+    # issue 22 item 10: skip reasons, metadata values and tied names went to the terminal as the file gave them
+    c = render.CheckpointReport(
+        "p",
+        render.Summary(0),
+        skipped=(render.Skipped("w", "float32", f"tensor flags {EVIL}"),),
+        metadata={"k": EVIL},
+        shared=((EVIL, "b"),),
+    )
+    for command in ("global-norm", "inspect"):
+        text = render.render_text(render.Report(command, 2.0, (c,)))
+        assert not any(ch in text for ch in CONTROLS) and "\\x1b]0;title\\x07" in text
+
+
+def test_an_error_message_quoting_a_file_is_escaped(tmp_path):
+    # issue 22 item 10: an error message that quotes file content (a dtype string) is one escaped line
+    src = tmp_path / "bad.safetensors"
+    src.write_bytes(raw_safetensors({"w": {"dtype": EVIL, "shape": [1], "data_offsets": [0, 4]}}, bytes(4)))
+    r = run_bounded("inspect", src, seconds=30)
+    assert r.returncode == 3 and r.seconds < 5
+    one_error_line(r.stderr)
+    assert not any(c in r.stderr for c in CONTROLS) and "\\x1b]0;title" in r.stderr
+
+
+def test_every_error_line_is_escaped(capsys):
+    # issue 22 item 10: an internal error's text, or a library's message, may quote anything from a file
+    import typer
+
+    from clipcli import cli
+
+    with pytest.raises(typer.Exit):
+        cli._fail(f"internal error (ValueError: {EVIL})", 70)
+    err = capsys.readouterr().err
+    assert err == "clipcli: error: internal error (ValueError: \\x1b]0;title\\x07\\x1b[2J)\n"
+
+
+# --- 14: standard output closed or full ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_closed_stdout_is_exit_4_not_an_internal_error(grads, tmp_path, fmt):
+    # issue 22 item 14: `clipcli global-norm f >&-` exited 70 "internal error" (sys.stdout is None)
+    closed = [sys.executable, "-c", "import os, sys; os.close(1); os.execv(sys.executable, sys.argv[1:])"]
+    run = [*closed, sys.executable, "-m", "clipcli"]
+    done = subprocess.run([*run, "global-norm", str(grads), "--format", fmt], capture_output=False,
+                          stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    assert done.returncode == 4, done.stderr
+    assert one_error_line(done.stderr) == "clipcli: error: standard output: cannot write the report: closed\n"
+    # nothing to print: 0; a clip's output is written, and the lost report is still exit 4
+    quiet = subprocess.run([*run, "global-norm", str(grads), "-q"], stderr=subprocess.PIPE, text=True, env=ENV)
+    assert (quiet.returncode, quiet.stderr) == (0, "")
+    out = tmp_path / "o.safetensors"
+    clip = subprocess.run([*run, "clip-global-norm", str(grads), "-o", str(out), "--clip-norm", "1"],
+                          stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    assert clip.returncode == 4 and out.exists(), clip.stderr
+
+
+def test_a_full_stdout_is_exit_4(grads):
+    # issue 22 item 14: stdout on /dev/full
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "clipcli", "global-norm", str(grads)], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    assert done.returncode == 4
+    assert one_error_line(done.stderr).endswith("cannot write the report: No space left on device\n")
+
+
+# --- 15, 16: signals at any moment end the process by the signal --------------------------------------
+
+
+def _interrupt_during_numpys_import(sig: signal.Signals) -> str:
+    """A program that runs `python -m clipcli` and sends itself `sig` in the middle of NumPy's import."""
+    return (
+        "import os, runpy, signal, sys\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'numpy._core._multiarray_umath':\n"
+        f"            os.kill(os.getpid(), {int(sig)})\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "sys.argv[0] = 'clipcli'\n"
+        "runpy.run_module('clipcli', run_name='__main__', alter_sys=True)\n"
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_during_numpys_import_is_one_line_and_the_signal(grads, sig):
+    # issue 22 item 15: a stop while NumPy imported gave exit 1 and NumPy's 70-90 line traceback ending in
+    # "ImportError: numpy._core.umath failed to import"
+    code = _interrupt_during_numpys_import(sig)
+    done = subprocess.run([sys.executable, "-c", code, "global-norm", str(grads)], capture_output=True, text=True,
+                          env=ENV, timeout=60)  # fmt: skip
+    assert done.returncode == -sig, done.stderr
+    assert done.stderr == ("clipcli: interrupted\n" if sig == signal.SIGINT else "clipcli: terminated\n")
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_python_swallows_prints_no_exception_ignored(grads, tmp_path, sig):
+    # issue 22 item 15: a SIGTERM landing in a weakref callback of the import machinery printed "Exception
+    # ignored in: <function _get_module_lock.<locals>.cb>" and a traceback before "clipcli: terminated"
+    code = (
+        "import os, sys\n"
+        "from clipcli import errors\n"
+        "class Stop:\n"
+        f"    def __del__(self): errors.stop({int(sig)})  # raised where Python swallows it\n"
+        "real = os.fsync\n"
+        "def fsync(fd):\n"
+        "    Stop()\n"
+        "    real(fd)\n"
+        "os.fsync = fsync\n"
+        "from clipcli.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    out = tmp_path / "out.safetensors"
+    done = subprocess.run([sys.executable, "-c", code, "clip-global-norm", str(grads), "-o", str(out), "--clip-norm",
+                           "1"], capture_output=True, text=True, env=ENV, timeout=60)  # fmt: skip
+    assert done.returncode == -sig
+    assert done.stderr == ("clipcli: interrupted\n" if sig == signal.SIGINT else "clipcli: terminated\n")
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory) -> Path:
+    """A checkpoint that takes a good part of a second to clip, to stop at any moment of a run."""
+    path = tmp_path_factory.mktemp("slow") / "slow.safetensors"
+    path.write_bytes(st_bytes({"w": np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32)}))
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_at_any_moment_from_start_up_on_ends_the_process_by_it(slow, tmp_path, sig):
+    # issue 22 item 15: stops from 0 to 0.5 s (start-up, NumPy's import, the work): one line or none, the signal
+    out = tmp_path / "out.safetensors"
+    stopped = 0
+    for delay in np.linspace(0, 0.5, 11):
+        out.unlink(missing_ok=True)  # written by a run that finished before its stop
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clipcli", "clip-global-norm", slow, "-o", out, "--clip-norm", "1", "-q", "-j", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        )  # fmt: skip
+        time.sleep(delay)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+        if stderr.rstrip().endswith("\nKeyboardInterrupt") and ", in stop\n" not in stderr:
+            continue  # Python's own handler: a stop in Python's start-up, before clipcli's handlers (the README)
+        assert "Traceback" not in stderr and stdout == "", (delay, stderr)
+        if proc.returncode == 0:  # finished first
+            continue
+        assert proc.returncode == -sig, (delay, proc.returncode, stderr)
+        assert stderr in ("", "clipcli: interrupted\n" if sig == signal.SIGINT else "clipcli: terminated\n")
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        stopped += stderr != ""
+    assert stopped >= 2  # some stops landed in a run, and were handled
+
+
+def test_ctrl_c_stops_a_shell_loop_over_checkpoints(slow, tmp_path):
+    # issue 22 item 16: clipcli exited 130 after Ctrl-C, so `for f in ...; do clipcli ...; done` went on to
+    # clip and write the next files; now it dies by SIGINT and bash ends the loop
+    loop = (
+        f"for f in a b c; do {sys.executable} -m clipcli clip-global-norm {slow} -o {tmp_path}/$f.safetensors "
+        "--clip-norm 1 -q -j 1; done; echo loop went on"
+    )
+    proc = subprocess.Popen(["bash", "-c", loop], start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.005)  # the first clip is writing
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground process group
+    stdout, stderr = proc.communicate(timeout=60)
+    assert "loop went on" not in stdout and proc.returncode == -signal.SIGINT, (stdout, stderr)
+    assert stderr == "clipcli: interrupted\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporary file, no next file
+
+
+def test_the_interrupted_status_is_a_death_by_the_signal(grads, tmp_path):
+    # issue 22 item 16: os.waitstatus WIFSIGNALED, as a shell or a supervisor sees it
+    code = _interrupt_during_numpys_import(signal.SIGINT)
+    proc = subprocess.Popen([sys.executable, "-c", code, "global-norm", str(grads)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=ENV)  # fmt: skip
+    _, status = os.waitpid(proc.pid, 0)
+    proc.returncode = 0  # reaped here
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT
+
+
+def test_an_inherited_ignored_sigint_stays_ignored(slow, tmp_path):
+    # issue 22 item 16: a background job (`clipcli ... &` in a script) starts with SIGINT ignored: it runs on
+    out = tmp_path / "out.safetensors"
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clipcli", "clip-global-norm", slow, "-o", out, "--clip-norm", "1", "-q", "-j", "1"],
+        stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=ignore_sigint,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert (proc.returncode, stderr) == (0, "") and out.exists()
+
+
+# --- 17: a file, shard or directory without permission ---------------------------------------------------
+
+
+def _without_root_s_read_override() -> None:
+    """In the child: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that root, once
+    it execs, reads only what the permission bits let it (the tests run as root here)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _unprivileged(*args: object) -> subprocess.CompletedProcess:
+    preexec = _without_root_s_read_override if os.geteuid() == 0 else None
+    return subprocess.run([sys.executable, "-m", "clipcli", *map(str, args)], capture_output=True, text=True,
+                          env=ENV, preexec_fn=preexec, timeout=60)  # fmt: skip
+
+
+def test_an_unreadable_file_shard_or_directory_is_exit_3_naming_it(grads, tmp_path):
+    # issue 22 item 17: exit 2 with Click's four-line usage error ("Path ... is not readable"); now exit 3,
+    # one line naming the file, the shard or the directory that cannot be read
+    if os.geteuid() == 0:
+        try:
+            subprocess.run(["true"], preexec_fn=_without_root_s_read_override, check=True)
+        except (OSError, subprocess.SubprocessError):
+            pytest.skip("cannot drop root's capability to read any file")
+    closed = tmp_path / "closed.safetensors"
+    shutil.copy(grads, closed)
+    closed.chmod(0)
+    shards = tmp_path / "shards"
+    shutil.copytree(ROOT / "samples" / "sharded", shards)
+    shard = sorted(shards.glob("*.safetensors"))[0]
+    shard.chmod(0)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    shutil.copy(grads, locked / "g.safetensors")
+    locked.chmod(0)
+    try:
+        cases = [
+            (["inspect", closed], closed),
+            (["global-norm", closed], closed),
+            (["clip-global-norm", closed, "--dry-run", "--clip-norm", "1"], closed),
+            (["diff", grads, closed], closed),
+            (["global-norm", shards], shard),
+            (["inspect", locked], locked),
+            (["inspect", locked / "g.safetensors"], locked / "g.safetensors"),
+        ]
+        for args, named in cases:
+            done = _unprivileged(*args)
+            assert done.returncode == 3, (args, done.stderr)
+            assert one_error_line(done.stderr) == f"clipcli: error: {named}: cannot read: Permission denied\n"
+    finally:
+        locked.chmod(0o755)
+
+
+# --- 18, 19: usage errors of one line; --report - -------------------------------------------------------
+
+
+def test_nothing_to_clip_is_a_usage_error_of_one_line(tmp_path):
+    # issue 22 item 18: Click's four-line block ("Invalid value: ...") for a file without a floating tensor
+    src = tmp_path / "steps.npz"
+    np.savez(src, step=np.arange(3))
+    done = clipcli("clip-global-norm", src, "-o", tmp_path / "o.npz", "--clip-norm", "1")
+    assert done.returncode == 2
+    assert one_error_line(done.stderr).startswith(f"clipcli: error: {src}: no floating or complex tensor")
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_report_dash_is_refused_before_anything_is_read(grads, tmp_path, monkeypatch):
+    # issue 22 item 19: `--report -` wrote the JSON into a file named `-`; refused as `-o -` is (the JSON on
+    # stdout is --format json)
+    monkeypatch.chdir(tmp_path)
+    done = clipcli("clip-global-norm", grads, "--dry-run", "--clip-norm", "1", "--report", "-")
+    assert done.returncode == 2 and "--report" in done.stderr and "--format json" in done.stderr
+    assert not (tmp_path / "-").exists()
+
+
+# --- 25: the low items -----------------------------------------------------------------------------------
+
+
+def test_an_ascii_terminal_gets_the_diff_summary_in_ascii(tmp_path):
+    # issue 22 item 25: under an ASCII stdout the summary read "\u2016A\u2212B\u2016"
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    a.write_bytes(st_bytes({"w": np.ones(3, np.float32)}))
+    b.write_bytes(st_bytes({"w": np.full(3, 2, np.float32)}))
+    done = subprocess.run([sys.executable, "-m", "clipcli", "diff", str(a), str(b)], capture_output=True,
+                          env={**ENV, "PYTHONIOENCODING": "ascii"})  # fmt: skip
+    assert done.returncode == 0
+    head = done.stdout.decode("ascii").splitlines()[0]
+    assert f"{a} -> {b}: |A-B| 1.73205" in head and "\\u" not in head
+    utf8 = clipcli("diff", a, b)
+    assert "‖A−B‖ 1.73205" in utf8.stdout  # a terminal that can show them keeps the symbols
+
+
+def test_an_empty_path_is_a_usage_error_not_the_current_directory(tmp_path, grads, monkeypatch):
+    # issue 22 item 25: `clipcli inspect ""` read the current directory
+    monkeypatch.chdir(grads.parent)
+    for args in (["inspect", ""], ["global-norm", grads, ""], ["diff", "", grads], ["convert", "", "-o", "x.npz"]):
+        done = clipcli(*args)
+        assert done.returncode == 2 and "an empty path names no file" in done.stderr, args
+
+
+def test_max_shard_size_errors_name_the_option(grads, tmp_path):
+    # issue 22 item 25: "Invalid value: out.safetensors: --max-shard-size writes shards" named no option
+    done = clipcli("convert", grads, "-o", tmp_path / "one.safetensors", "--max-shard-size", "1MB")
+    assert done.returncode == 2 and "Invalid value for --max-shard-size:" in done.stderr
+    done = clipcli("convert", grads, "-o", tmp_path / "d", "--max-shard-size", "1e400")
+    assert done.returncode == 2 and "Invalid value for --max-shard-size: must be a finite size" in done.stderr
+
+
+@pytest.mark.parametrize(("shell", "marker"), [("zsh", "#compdef clipcli"), ("fish", "complete --command clipcli")])
+def test_show_completion_prints_the_named_shell_s_script(shell, marker):
+    # issue 22 item 25: Typer's --show-completion is a flag: `--show-completion zsh` printed bash's script
+    done = clipcli("--show-completion", shell)
+    assert done.returncode == 0 and done.stdout.startswith(marker), done.stdout[:200]
+    assert "complete -o default" not in done.stdout  # bash's
+    assert clipcli("--show-completion").returncode == 0  # without a shell: the current one, as before
+
+
+def test_in_place_keeps_the_owner_and_group(grads):
+    # issue 22 item 25: `--in-place` as root gave the file to root
+    if os.geteuid() != 0:
+        pytest.skip("only root may give a file to another user")
+    os.chown(grads, 1234, 4321)
+    grads.chmod(0o640)
+    done = clipcli("clip-global-norm", grads, "--in-place", "--clip-norm", "1", "-q")
+    assert done.returncode == 0, done.stderr
+    st = grads.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1234, 4321, 0o640)
+
+
+def test_csv_text_cells_cannot_be_formulas_and_numbers_stay_numbers(tmp_path):
+    # issue 22 item 25: names starting with = + - @ were written raw (formula injection in spreadsheets)
+    names = ['=HYPERLINK("http://x")', "+1+2", "-cmd", "@SUM(A1)", "-1.5", "ok"]
+    src = tmp_path / "f.safetensors"
+    src.write_bytes(st_bytes({n: np.array([-1.5, 0.5], np.float32) for n in names}))
+    for command in ("global-norm", "inspect"):
+        out = CliRunner().invoke(app, [command, str(src), "--format", "csv"]).stdout
+        rows = list(csv.DictReader(io.StringIO(out)))
+        shown = sorted(r["name"] for r in rows if r["kind"] == "tensor")
+        # a text cell gets the prefix whatever follows (a name "-1.5" is text): only number cells are numbers
+        assert shown == sorted(['\'=HYPERLINK("http://x")', "'+1+2", "'-cmd", "'@SUM(A1)", "'-1.5", "ok"])
+    # numbers are numbers: a cosine of -1 stays -1.0
+    b = tmp_path / "neg.safetensors"
+    b.write_bytes(st_bytes({n: np.array([1.5, -0.5], np.float32) for n in names}))
+    out = CliRunner().invoke(app, ["diff", str(src), str(b), "--format", "csv"]).stdout
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert {r["cosine"] for r in rows} == {"-1.0"}
+    assert sorted(r["name"] for r in rows if r["kind"] == "tensor")[0] == "'+1+2"
+
+
+def test_a_path_starting_with_a_dash_is_shown_as_typed(grads, tmp_path, monkeypatch):
+    # issue 22 item 25: `./-x.safetensors` was echoed as `-x.safetensors`, which a command line takes for an option
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(grads, tmp_path / "-x.safetensors")
+    done = clipcli("global-norm", "./-x.safetensors")
+    assert done.stdout.startswith("./-x.safetensors: global norm ")
+    assert json.loads(clipcli("inspect", "./-x.safetensors", "--format", "json").stdout)["checkpoints"][0]["path"] == (
+        "./-x.safetensors"
+    )
+    gate = clipcli("global-norm", "./-x.safetensors", "--fail-above", "1", "-q")
+    assert gate.returncode == 1 and one_error_line(gate.stderr).startswith("clipcli: error: ./-x.safetensors: ")
+    diff = clipcli("diff", "./-x.safetensors", grads)
+    assert diff.stdout.startswith(f"./-x.safetensors -> {grads}: ")

@@ -1455,7 +1455,7 @@ class DiffStats:
     diff_norm: float  # ‖A − B‖_p
     norm_a: float  # ‖A‖_p
     norm_b: float  # ‖B‖_p
-    rel: float | None  # ‖A − B‖_p / ‖A‖_p; None when ‖A‖ is 0, 0 when nothing differs (even if ‖A‖ is NaN)
+    rel: float | None  # ‖A − B‖_p / ‖A‖_p; None when ‖A‖ is 0 (NaN when A holds NaN)
     cosine: float | None  # Σab / (‖A‖₂‖B‖₂); None when a 2-norm is 0, NaN when a side holds NaN or inf
     dot: float  # Σab; NaN when a side holds NaN or inf
     norm2_a: float  # ‖A‖₂
@@ -1600,12 +1600,11 @@ class DiffAccumulator:
     def _rel(self, diff_norm: float, a: NormStats) -> float | None:
         """‖A − B‖ / ‖A‖: from the exact sums (no overflow, correctly rounded for p = 1, 2) when finite.
 
-        Nothing changed is no change, whatever A holds: 0 also when ‖A‖ is NaN or inf.
+        None only when ‖A‖ is 0; NaN when A holds NaN, even where nothing changed (0 / NaN, as the spec's
+        quotient is).
         """
         if a.norm == 0.0:
             return None
-        if diff_norm == 0.0:
-            return 0.0
         if math.isinf(self.p) or self.nan_diff + self.inf_diff + a.nan + a.inf:
             return diff_norm / a.norm
         return _root_value(_quotient(self._diff, self._a._sum), self.p)

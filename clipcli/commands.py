@@ -68,8 +68,12 @@ class Selection(NamedTuple):
         return None
 
     def listed(self, t: TensorInfo) -> bool:
-        return (not self.include or any(fnmatch.fnmatchcase(t.name, g) for g in self.include)) and not any(
-            fnmatch.fnmatchcase(t.name, g) for g in self.exclude
+        return self.selects(t.name)
+
+    def selects(self, name: str) -> bool:
+        """Whether the patterns take a name (a tensor's, or a metadata key's)."""
+        return (not self.include or any(fnmatch.fnmatchcase(name, g) for g in self.include)) and not any(
+            fnmatch.fnmatchcase(name, g) for g in self.exclude
         )
 
     def unmatched(self, *ckpts: Checkpoint) -> list[str]:
@@ -860,6 +864,20 @@ def _comparable(t: TensorInfo) -> bool:
     return t.skip is None and t.array_dtype is not None and core.is_floating(t.array_dtype)
 
 
+# Metadata that says how a file was written, not what it holds: the `format` of a safetensors `__metadata__`
+# (`pt`, `np`, `tf`, ...: the library that saved it), which every Hugging Face save writes and a PyTorch file,
+# an .npz or clipcli's own conversion of them does not.
+_LAYOUT_KEYS = {"safetensors": frozenset({"format"}), "sharded": frozenset({"format"})}
+
+
+def metadata_differs(a: Checkpoint, b: Checkpoint, selection: Selection) -> tuple[str, ...]:
+    """The metadata keys, sorted, that the selection takes and whose values (strings) differ or that one
+    checkpoint alone has, layout keys aside."""
+    layout = _LAYOUT_KEYS.get(a.format, frozenset()) | _LAYOUT_KEYS.get(b.format, frozenset())
+    keys = a.metadata.keys() | b.metadata.keys()
+    return tuple(sorted(k for k in keys - layout if a.metadata.get(k) != b.metadata.get(k) and selection.selects(k)))
+
+
 def diff(
     a: Checkpoint,
     b: Checkpoint,
@@ -874,8 +892,9 @@ def diff(
     """How far checkpoint B is from A, tensor by tensor (matched by name) and over all compared tensors.
 
     Floating tensors of the same shape are compared by value, whatever their dtypes; other tensors
-    (integers, types carried as bytes) only for being the same; tensors in one checkpoint only, and
-    shapes that differ, are listed. Both are read in lockstep, in chunks.
+    (integers, types carried as bytes) only for being the same; tensors in one checkpoint only, shapes
+    that differ and metadata keys that differ (`metadata_differs`) are listed. Both are read in lockstep,
+    in chunks.
 
     Raises:
         UsageError: when --include/--exclude select nothing in either checkpoint.
@@ -941,6 +960,7 @@ def diff(
         only_a=tuple(n for n in listed_a if n not in listed_b),
         only_b=tuple(n for n in listed_b if n not in listed_a),
         mismatched=tuple(mismatched),
+        metadata_differs=metadata_differs(a, b, selection),
         groups=groups,
         group_count=len(every),
     )

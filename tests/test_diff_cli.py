@@ -220,10 +220,10 @@ def _diffs(ckpt_a, ckpt_b, kind, jobs):
     from clipcli.commands import _Diffs
 
     results = _engine.run_pairs(
-        (ckpt_a, ckpt_b), pairs, lambda: _Diffs(2.0, [True] * len(pairs)), jobs, core.BLOCK, kind=kind
+        (ckpt_a, ckpt_b), pairs, lambda: _Diffs(2.0, pairs, [True] * len(pairs)), jobs, core.BLOCK, kind=kind
     )
     accs = {}
-    for worker, _, _ in results:
+    for worker, _, _, _ in results:
         for i, acc in worker.items():
             accs.setdefault(i, core.DiffAccumulator(2.0)).merge(acc)
     return {pairs[i][0].name: acc.result() for i, acc in accs.items()}

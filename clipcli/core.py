@@ -1948,6 +1948,48 @@ def _int_quotient(num: int, num_low: int, den: int, den_low: int) -> tuple[int, 
     return (q << 1) | (r != 0), num_low - den_low - shift - 1
 
 
+def _two_product(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x * y as hi + lo exactly (Dekker: Veltkamp's splits; |x|, |y| and the product well inside float64's range)."""
+    hi = x * y
+    cx = x * 134217729.0  # 2**27 + 1
+    xh = cx - (cx - x)
+    cy = y * 134217729.0
+    yh = cy - (cy - y)
+    xl, yl = x - xh, y - yh
+    return hi, ((xh * yh - hi) + xh * yl + xl * yh) + xl * yl
+
+
+def _sqrt_quotients(a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sqrt(|ab / (cd)|) of float64 arrays, correctly rounded where the first array says so (else to an ulp).
+
+    The quotient and its root in double-double arithmetic, to about 2**-104 relative: the rounding to float64
+    is certain unless the root lies within 2**-96 of a midpoint between two float64s (one pair in 2**43),
+    or at a power of two, or the values lie where the products could leave float64's range; there the
+    exact sums must say (`_int_quotient`, `_root`).
+    """
+    big = 2.0**220
+    with np.errstate(all="ignore"):
+        n_hi, n_lo = _two_product(a, b)
+        d_hi, d_lo = _two_product(c, d)
+        q = n_hi / d_hi
+        p_hi, p_lo = _two_product(q, d_hi)
+        q_lo = (((n_hi - p_hi) - p_lo) + n_lo - q * d_lo) / d_hi  # n_hi - p_hi exact: p_hi lies near n_hi
+        q_hi = q + q_lo  # the quotient q_hi + q_lo, renormalized
+        q_lo -= q_hi - q
+        root = np.sqrt(q_hi)
+        s_hi, s_lo = _two_product(root, root)
+        low = (((q_hi - s_hi) - s_lo) + q_lo) / (2.0 * root)  # sqrt(q_hi + q_lo) - root, to about 2**-104 root
+        t = low / np.spacing(root)  # in ulps of root: the result is root + round(t) ulps
+        k = np.rint(t)
+        near = np.abs(np.abs(t - k) - 0.5) < 2.0**-44
+        mantissa = np.frexp(root)[0]  # where root + k ulps could cross a power of two (whose ulps differ)
+        edge = (mantissa < 0.5 + 2.0**-48) | (mantissa > 1.0 - 2.0**-48)
+        ranged = [(1 / big < np.abs(x)) & (np.abs(x) < big) for x in (a, b, c, d)]
+        sure = ranged[0] & ranged[1] & ranged[2] & ranged[3] & ~near & ~edge & (np.abs(k) <= 2)
+        out = root + k * np.spacing(root)
+    return sure & np.isfinite(out), out
+
+
 def _int_term(s: float, k: int) -> tuple[int, int]:
     """s * 2**k as (integer, exponent), the integer s's 53-bit mantissa (signed): as `_ExactSum.add` holds it."""
     mantissa, exponent = math.frexp(s)
@@ -2009,7 +2051,17 @@ class SmallDiffs:
         norm_a = self.a.norms()
         # rel: None where ‖A‖ is 0, 0 where nothing differs, else the root of the terms' exact quotient
         rel: list[float | None] = [None if x == 0.0 else 0.0 for x in norm_a.tolist()]
-        for j in np.flatnonzero((norm_a != 0.0) & (self.diff != 0.0)).tolist():
+        todo = np.flatnonzero((norm_a != 0.0) & (self.diff != 0.0))
+        if p == 2.0:  # the roots that double-double arithmetic rounds for certain
+            one = np.ones(todo.size)
+            sure, roots = _sqrt_quotients(self.diff[todo], one, self.a.sums[todo], one)
+            scale = (self.diff_exps[todo] - self.a.exps[todo]) // 2  # both even
+            roots = np.ldexp(roots, scale)
+            sure &= (roots > 2.0**-1000) & (roots < 2.0**1000)  # no subnormal, no overflow on the way
+            for j, value in zip(todo[sure].tolist(), roots[sure].tolist(), strict=True):
+                rel[j] = value
+            todo = todo[~sure]
+        for j in todo.tolist():
             num, den = _int_term(float(self.diff[j]), int(self.diff_exps[j])), _int_term(*self.a.term(j))
             rel[j] = _ldexp(*_root(*_int_quotient(*num, *den), p))
         # cosine: None where a 2-norm is 0, 1 where Σab = Σa² = Σb² (equal terms: a pair of the same values)
@@ -2017,9 +2069,17 @@ class SmallDiffs:
         parallel = (self.dot == self.a2.sums) & (self.dot_exps == self.a2.exps)
         parallel &= (self.a2.sums == self.b2.sums) & (self.a2.exps == self.b2.exps)
         cosine: list[float | None] = [1.0 if x else None for x in both.tolist()]
-        for j in np.flatnonzero(both & ~parallel).tolist():
-            dot = _int_term(float(self.dot[j]), int(self.dot_exps[j]))
-            cosine[j] = _cosine_of(*dot, *_int_term(*self.a2.term(j)), *_int_term(*self.b2.term(j)))
+        todo = np.flatnonzero(both & ~parallel)
+        dot = self.dot[todo]
+        # (Σab)² / (Σa² Σb²) with exponents 2 kd - ka - kb, which the scales of `_product_scales` make 0
+        even = 2 * self.dot_exps[todo] == self.a2.exps[todo] + self.b2.exps[todo]
+        sure, roots = _sqrt_quotients(dot, dot, self.a2.sums[todo], self.b2.sums[todo])
+        sure &= even
+        for j, value, negative in zip(todo[sure].tolist(), roots[sure].tolist(), (dot[sure] < 0).tolist(), strict=True):
+            cosine[j] = -min(value, 1.0) if negative else min(value, 1.0)
+        for j in todo[~sure].tolist():
+            dot_term = _int_term(float(self.dot[j]), int(self.dot_exps[j]))
+            cosine[j] = _cosine_of(*dot_term, *_int_term(*self.a2.term(j)), *_int_term(*self.b2.term(j)))
         out = list(
             zip(
                 norm_a.tolist(),

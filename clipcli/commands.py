@@ -50,6 +50,9 @@ class Progress:
 _NO_PROGRESS = Progress()
 
 
+_floating = functools.lru_cache(core.is_floating)  # asked per tensor: few dtypes, 12,000 tensors
+
+
 class Selection(NamedTuple):
     """Which tensors a command works on: shell-style globs on tensor names."""
 
@@ -65,7 +68,7 @@ class Selection(NamedTuple):
             return t.skip
         if t.array_dtype is None:
             return f"no arithmetic on {t.dtype} (carried as bytes)"
-        if not core.is_floating(t.array_dtype) and not (t.array_dtype.kind == "c" and not real_only):
+        if not _floating(t.array_dtype) and not (t.array_dtype.kind == "c" and not real_only):
             return "not a floating tensor" if t.array_dtype.kind != "c" else "complex values have no order"
         return None
 
@@ -915,9 +918,6 @@ def _same_numbers(a: np.ndarray, b: np.ndarray) -> bool:
 def _comparable(t: TensorInfo) -> bool:
     """Whether a tensor's values take part in the norms of a diff (as in global-norm: floating ones)."""
     return t.skip is None and t.array_dtype is not None and _floating(t.array_dtype)
-
-
-_floating = functools.lru_cache(core.is_floating)  # asked per tensor: few dtypes, 12,000 tensors
 
 
 # Metadata that says how a file was written, not what it holds: the `format` of a safetensors `__metadata__`

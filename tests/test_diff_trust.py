@@ -195,6 +195,13 @@ def test_small_pairs_read_together_report_what_pairs_read_alone_report(tmp_path,
         for ord in (2.0, 3.0):
             assert outs[name, True, ord] == outs[name, False, ord]
     assert outs["b", True, 2.0] == outs["npz", True, 2.0]  # the same tensors in another layout: the same bits
+    monkeypatch.setattr(_engine, "_BYTES_PER_WORKER", 1)  # two workers, and forked ones, on a small input
+    monkeypatch.setattr(_engine, "_PROCESS_BYTES", 0)
+    monkeypatch.setattr(_engine, "CHUNK_BYTES", 1 << 14)  # runs of a few pairs: many tasks for the workers
+    monkeypatch.setattr(_engine, "_MIN_CHUNK", 1 << 14)
+    with open_checkpoint(a) as ca, open_checkpoint(tmp_path / "b.safetensors") as cb:
+        report = commands.diff(ca, cb, commands.Selection(), 2.0, depth=3, jobs=2)
+    assert repr((report.stats, report.tensors, report.others, report.groups)) == outs["b", True, 2.0]
 
 
 def test_many_small_pairs_make_no_accumulator_each(tmp_path, monkeypatch):

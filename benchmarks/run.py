@@ -70,6 +70,18 @@ with safe_open(sys.argv[1], "np") as fa, safe_open(sys.argv[2], "np") as fb:
         cos = float(np.dot(a.ravel(), b.ravel()) / (np.linalg.norm(a) * np.linalg.norm(b)))
 """
 
+# What a one-off script does to compare two small files: load both, ‖A−B‖ in float64 tensor by tensor.
+NAIVE_LOAD_DIFF = """
+import sys, numpy as np
+from safetensors.numpy import load_file
+a, b = load_file(sys.argv[1]), load_file(sys.argv[2])
+total = 0.0
+for k, x in a.items():
+    d = float(np.linalg.norm(x.astype(np.float64) - b[k].astype(np.float64)))
+    total += d * d
+print(total ** 0.5)
+"""
+
 TORCH_CONVERT = """
 import sys, torch
 from safetensors.torch import save_file
@@ -177,15 +189,17 @@ def ensure(name: str, gib: float, dtype: str, compressed: bool = False, scale: f
     return path
 
 
-def ensure_many(path: Path, n: int) -> Path:
-    """A LoRA-adapter-like checkpoint of `n` tiny float32 tensors."""
+def ensure_many(path: Path, n: int, shape: tuple[int, int] = (16, 8), perturb: float = 0.0) -> Path:
+    """A LoRA-adapter-like checkpoint of `n` tiny float32 tensors (the same values for every `perturb`, plus
+    `perturb` times noise of their scale)."""
     if not path.exists():
         DATA.mkdir(exist_ok=True)
         code = (
             "import sys, numpy as np; from safetensors.numpy import save_file; "
-            "rng = np.random.default_rng(0); "
+            "rng, noise = np.random.default_rng(0), np.random.default_rng(1); "
             f"save_file({{f'base_model.model.layers.{{i // 8}}.lora_{{i % 2}}.{{i}}.weight': "
-            f"rng.standard_normal((16, 8)).astype(np.float32) for i in range({n})}}, sys.argv[1])"
+            f"(rng.standard_normal({shape}) + {perturb} * noise.standard_normal({shape})).astype(np.float32) "
+            f"for i in range({n})}}, sys.argv[1])"
         )
         subprocess.run([sys.executable, "-c", code, str(path)], check=True)
     return path
@@ -407,8 +421,33 @@ def main() -> None:
     if "tiny" in sections:
         many = ensure_many(DATA / "many-10000.safetensors", 10_000)
         members = ensure_members(DATA / "members-7488.npz", 7488)
+        # two LoRA adapters of 12,000 tensors of 8x16 float32 (6 MB each), and a copy of the first
+        lora = ensure_many(DATA / "lora-12000.safetensors", 12_000, (8, 16))
+        lora_b = ensure_many(DATA / "lora-12000-b.safetensors", 12_000, (8, 16), perturb=1e-3)
+        lora_copy = DATA / "lora-12000-copy.safetensors"
+        if not lora_copy.exists():
+            subprocess.run(["cp", str(lora), str(lora_copy)], check=True)
         print("\n### Many small tensors\n")
         header()
+        compare(
+            "global-norm, 10,000 tiny tensors vs naive `safe_open` + `np.linalg.norm`",
+            f"clipcli global-norm {q(str(many))} -q",
+            f"{PY} -c {q(NAIVE_NORM)} {q(str(many))}",
+            reps,
+        )
+        for what, other in (("changed", lora_b), ("identical", lora_copy)):
+            compare(
+                f"diff of two 12,000-tensor LoRA adapters ({what}) vs naive `load_file` + float64 ‖A−B‖",
+                f"clipcli diff {q(str(lora))} {q(str(other))} -q",
+                f"{PY} -c {q(NAIVE_LOAD_DIFF)} {q(str(lora))} {q(str(other))}",
+                reps,
+            )
+        compare(
+            "diff of two 12,000-tensor LoRA adapters (changed): the table vs JSON",
+            f"clipcli diff {q(str(lora))} {q(str(lora_b))}",
+            f"clipcli diff {q(str(lora))} {q(str(lora_b))} --format json",
+            reps,
+        )
         compare(
             "global-norm, 10,000 tiny tensors, JSON vs `python -c 'import numpy'`",
             f"clipcli global-norm {q(str(many))} --format json",

@@ -853,7 +853,7 @@ def diff(
         bool,
         typer.Option(
             "--fail-different",
-            help="Exit 1 if anything differs: values, names, shapes or dtypes (cmp for checkpoints).",
+            help="Exit 1 if anything differs: values, names, shapes, dtypes or metadata (cmp for checkpoints).",
         ),
     ] = False,
     jobs: Jobs = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
+import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -15,7 +17,7 @@ import numpy as np
 
 from clipcli import core
 from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, Place, TensorInfo, byte_layout, check_plan, placed, save
-from clipcli.checkpoint._engine import run, run_pairs
+from clipcli.checkpoint._engine import pair_values, run, run_pairs
 from clipcli.errors import CheckFailedError, UnsupportedError, UsageError
 from clipcli.report import (
     CheckpointReport,
@@ -48,6 +50,9 @@ class Progress:
 _NO_PROGRESS = Progress()
 
 
+_floating = functools.lru_cache(core.is_floating)  # asked per tensor: few dtypes, 12,000 tensors
+
+
 class Selection(NamedTuple):
     """Which tensors a command works on: shell-style globs on tensor names."""
 
@@ -63,14 +68,18 @@ class Selection(NamedTuple):
             return t.skip
         if t.array_dtype is None:
             return f"no arithmetic on {t.dtype} (carried as bytes)"
-        if not core.is_floating(t.array_dtype) and not (t.array_dtype.kind == "c" and not real_only):
+        if not _floating(t.array_dtype) and not (t.array_dtype.kind == "c" and not real_only):
             return "not a floating tensor" if t.array_dtype.kind != "c" else "complex values have no order"
         return None
 
     def listed(self, t: TensorInfo) -> bool:
-        return (not self.include or any(fnmatch.fnmatchcase(t.name, g) for g in self.include)) and not any(
-            fnmatch.fnmatchcase(t.name, g) for g in self.exclude
-        )
+        return self.selects(t.name)
+
+    def selects(self, name: str) -> bool:
+        """Whether the patterns take a name (a tensor's, or a metadata key's)."""
+        if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
+            return False
+        return not (self.exclude and any(fnmatch.fnmatchcase(name, g) for g in self.exclude))
 
     def unmatched(self, *ckpts: Checkpoint) -> list[str]:
         """The options (`--include 'x'`) whose pattern matches no tensor of any of the checkpoints."""
@@ -219,17 +228,18 @@ def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
 
 
 class _PerTensor(dict):
-    """Each tensor's accumulator by name; those of small tensors measured together (`batches`) are made
-    from their `core.SmallNorms` when first asked for (by --depth, or a clip)."""
+    """Each tensor's accumulator by name (or each pair's by number, for diff); those of small tensors measured
+    together (`batches`) are made from their `core.SmallNorms` (`core.SmallDiffs`) when first asked for (by
+    --depth, or a clip)."""
 
-    def __init__(self, batches: Sequence[tuple[list[str], core.SmallNorms]] = ()):
+    def __init__(self, batches: Sequence[tuple[list[Any], Any]] = ()):
         super().__init__()
         self.batches = batches
-        self._where = {name: (s, i) for names, s in batches for i, name in enumerate(names)}
+        self._where = {key: (s, i) for keys, s in batches for i, key in enumerate(keys)}
 
-    def __missing__(self, name: str) -> core.NormAccumulator:
-        s, i = self._where[name]
-        acc = self[name] = s.accumulator(i)
+    def __missing__(self, key: Any) -> Any:
+        s, i = self._where[key]
+        acc = self[key] = s.accumulator(i)
         return acc
 
 
@@ -802,11 +812,51 @@ class _Diffs:
 
     worker_bytes = 7 << 20
 
-    def __init__(self, p: float, numeric: list[bool]):
-        self.p, self.numeric = p, numeric
+    def __init__(self, p: float, pairs: list[tuple[TensorInfo, TensorInfo]], numeric: list[bool]):
+        self.p, self.pairs, self.numeric = p, pairs, numeric
         self.accs: dict[int, core.DiffAccumulator] = {}
+        self.small: list[tuple[list[int], core.SmallDiffs]] = []  # runs of small pairs, by pair number
         self.differs: set[int] = set()  # pairs some of whose bytes (or dtypes) differ
         self.values_differ: set[int] = set()  # pairs compared for sameness some of whose values differ
+
+    def batch(
+        self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
+    ) -> None:
+        """Whole small pairs read together: runs of pairs of one pair of native floating dtypes, fewer than
+        BLOCK values each, in a few NumPy passes for the run (`core.small_diffs`, the same bits); the others
+        pair by pair."""
+        i = 0
+        for key, group in itertools.groupby(self._run_key(k) for k in ids):
+            j = i + sum(1 for _ in group)
+            if key is not None:
+                self._run(ids[i:j], raw_a, starts_a[i:j], raw_b, starts_b[i:j])
+            for k, sa, sb in zip(ids[i:j] if key is None else (), starts_a[i:j], starts_b[i:j], strict=False):
+                ta, tb = self.pairs[k]
+                self.pair(k, 0, *pair_values(ta, tb, raw_a[sa : sa + ta.nbytes], raw_b[sb : sb + tb.nbytes]))
+            i = j
+
+    def _run_key(self, i: int) -> tuple[np.dtype, np.dtype] | None:
+        """The dtypes of pair i where it is measured among other small pairs of them (`core.small_diffs`:
+        native floating values, fewer than BLOCK and more than none); None where it is measured alone."""
+        a, b = self.pairs[i]
+        small = self.numeric[i] and a.stored_dtype is None and b.stored_dtype is None
+        return (a.array_dtype, b.array_dtype) if small and 0 < a.size < core.BLOCK else None
+
+    def _run(
+        self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
+    ) -> None:
+        ta, tb = self.pairs[ids[0]]
+        run = [self.pairs[i] for i in ids]
+        va = _gathered(raw_a, starts_a, [a for a, _ in run], ta.array_dtype)
+        vb = _gathered(raw_b, starts_b, [b for _, b in run], tb.array_dtype)
+        sizes = [a.nbytes // ta.array_dtype.itemsize for a, _ in run]
+        self.small.append((list(ids), core.small_diffs(va, vb, sizes, self.p)))
+        if ta.array_dtype != tb.array_dtype:
+            self.differs.update(ids)
+            return
+        bits = np.dtype(f"u{ta.array_dtype.itemsize}")
+        equal = np.logical_and.reduceat(va.view(bits) == vb.view(bits), np.cumsum(sizes) - sizes)
+        self.differs.update(i for i, same in zip(ids, equal.tolist(), strict=True) if not same)
 
     def pair(self, i: int, start: int, a: np.ndarray, b: np.ndarray, same: bool) -> None:
         if not same:
@@ -824,8 +874,18 @@ class _Diffs:
         else:
             acc.add(a, b)
 
-    def result(self) -> tuple[dict[int, core.DiffAccumulator], set[int], set[int]]:
-        return self.accs, self.differs, self.values_differ
+    def result(
+        self,
+    ) -> tuple[dict[int, core.DiffAccumulator], list[tuple[list[int], core.SmallDiffs]], set[int], set[int]]:
+        return self.accs, self.small, self.differs, self.values_differ
+
+
+def _gathered(raw: np.ndarray, starts: list[int], tensors: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
+    """The values of tensors read together, one after another: a view where they lie without gaps."""
+    end = starts[-1] + tensors[-1].nbytes
+    if end - starts[0] == sum(map(_NBYTES, tensors)):
+        return raw[starts[0] : end].view(dtype)
+    return np.concatenate([raw[s : s + t.nbytes] for s, t in zip(starts, tensors, strict=True)]).view(dtype)
 
 
 def _same_numbers(a: np.ndarray, b: np.ndarray) -> bool:
@@ -849,7 +909,21 @@ def _same_numbers(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _comparable(t: TensorInfo) -> bool:
     """Whether a tensor's values take part in the norms of a diff (as in global-norm: floating ones)."""
-    return t.skip is None and t.array_dtype is not None and core.is_floating(t.array_dtype)
+    return t.skip is None and t.array_dtype is not None and _floating(t.array_dtype)
+
+
+# Metadata that says how a file was written, not what it holds: the `format` of a safetensors `__metadata__`
+# (`pt`, `np`, `tf`, ...: the library that saved it), which every Hugging Face save writes and a PyTorch file,
+# an .npz or clipcli's own conversion of them does not.
+_LAYOUT_KEYS = {"safetensors": frozenset({"format"}), "sharded": frozenset({"format"})}
+
+
+def metadata_differs(a: Checkpoint, b: Checkpoint, selection: Selection) -> tuple[str, ...]:
+    """The metadata keys, sorted, that the selection takes and whose values (strings) differ or that one
+    checkpoint alone has, layout keys aside."""
+    layout = _LAYOUT_KEYS.get(a.format, frozenset()) | _LAYOUT_KEYS.get(b.format, frozenset())
+    keys = a.metadata.keys() | b.metadata.keys()
+    return tuple(sorted(k for k in keys - layout if a.metadata.get(k) != b.metadata.get(k) and selection.selects(k)))
 
 
 def diff(
@@ -866,14 +940,15 @@ def diff(
     """How far checkpoint B is from A, tensor by tensor (matched by name) and over all compared tensors.
 
     Floating tensors of the same shape are compared by value, whatever their dtypes; other tensors
-    (integers, types carried as bytes) only for being the same; tensors in one checkpoint only, and
-    shapes that differ, are listed. Both are read in lockstep, in chunks.
+    (integers, types carried as bytes) only for being the same; tensors in one checkpoint only, shapes
+    that differ and metadata keys that differ (`metadata_differs`) are listed. Both are read in lockstep,
+    in chunks.
 
     Raises:
         UsageError: when --include/--exclude select nothing in either checkpoint.
     """
-    listed_a = {t.name: t for t in a.tensors if selection.listed(t)}
-    listed_b = {t.name: t for t in b.tensors if selection.listed(t)}
+    listed_a = {t.name: t for t in a.tensors if selection.selects(t.name)}
+    listed_b = {t.name: t for t in b.tensors if selection.selects(t.name)}
     if (selection.include or selection.exclude) and not listed_a and not listed_b:
         selection.check(a)
     names = [n for n in listed_a if n in listed_b]
@@ -894,17 +969,35 @@ def diff(
             pairs.append((ta, tb))
             numeric.append(_comparable(ta) and _comparable(tb))
     progress.phase("comparing", sum(x.nbytes + y.nbytes for x, y in pairs))
-    results = run_pairs((a, b), pairs, lambda: _Diffs(p, numeric), jobs, core.BLOCK, progress.advance)
-    accs: dict[int, core.DiffAccumulator] = {}
+    results = run_pairs((a, b), pairs, lambda: _Diffs(p, pairs, numeric), jobs, core.BLOCK, progress.advance)
+    per_pair = _PerTensor([batch for _, small, _, _ in results for batch in small])
     differs: set[int] = set()
     values_differ: set[int] = set()
-    for worker_accs, worker_differs, worker_values_differ in results:
+    for accs, _, worker_differs, worker_values_differ in results:
         differs |= worker_differs
         values_differ |= worker_values_differ
-        for i, acc in worker_accs.items():
-            accs.setdefault(i, core.DiffAccumulator(p)).merge(acc)
+        for i, acc in accs.items():
+            per_pair.setdefault(i, core.DiffAccumulator(p)).merge(acc)
     total = core.DiffAccumulator(p)
-    compared, others = [], []
+    # each numeric pair's figures (an empty tensor's, which has no chunks, those of no values)
+    figures: list[core.DiffFigures | None] = [None] * len(pairs)
+    for ids, s in per_pair.batches:
+        s.merge_into(total)
+        for i, f in zip(ids, s.figures(), strict=True):
+            figures[i] = f
+    for i, acc in per_pair.items():  # the pairs measured alone
+        total.merge(acc)
+        figures[i] = acc.result().figures()
+    whole = total.result()
+    g = whole.diff_norm
+    # (d / g) ** p for orders 1 and 2 where g is a finite number; else from the exact sums (see `_measured`)
+    plain = 0 < g < math.inf and p in (1.0, 2.0)
+    shares: dict[int, float | None] = {}
+    if not plain:
+        for ids, s in per_pair.batches:
+            shares.update(zip(ids, s.shares_of(total), strict=True))
+        shares.update((i, acc.share_of(total)) for i, acc in per_pair.items())
+    rows, others = [], []
     for i, (ta, tb) in enumerate(pairs):
         identical = ta.dtype == tb.dtype and i not in differs
         if not numeric[i]:
@@ -912,15 +1005,10 @@ def diff(
             reason = f"floating in {'A' if _comparable(ta) else 'B'} only" if floating else "not a floating tensor"
             others.append(DiffRow.other(ta, tb, identical, i not in values_differ, reason))
             continue
-        acc = accs.setdefault(i, core.DiffAccumulator(p))  # an empty tensor has no chunks
-        total.merge(acc)
-        compared.append((DiffRow.of(ta, tb, acc.result(), identical), acc))
-    whole = total.result()
-    g = whole.diff_norm
-    # (d / g) ** p for orders 1 and 2 where g is a finite number; else from the exact sums (see `_measured`)
-    plain = 0 < g < math.inf and p in (1.0, 2.0)
-    rows = [replace(r, share=(r.diff_norm / g) ** p if plain else acc.share_of(total)) for r, acc in compared]
-    every = _diff_groups(accs, pairs, numeric, depth, p, total) if depth else ()
+        f = figures[i] or core.DiffAccumulator(p).result().figures()
+        share = (f[2] / g) ** p if plain else shares.get(i, 0.0)
+        rows.append(DiffRow(ta.name, ta.shape, ta.dtype, tb.dtype, ta.nbytes, identical, *f, share))
+    every = _diff_groups(per_pair, pairs, numeric, depth, p, total) if depth else ()
     groups = order(every, sort, top) if depth else None
     return DiffReport(
         a=str(a.path),
@@ -933,13 +1021,14 @@ def diff(
         only_a=tuple(n for n in listed_a if n not in listed_b),
         only_b=tuple(n for n in listed_b if n not in listed_a),
         mismatched=tuple(mismatched),
+        metadata_differs=metadata_differs(a, b, selection),
         groups=groups,
         group_count=len(every),
     )
 
 
 def _diff_groups(
-    accs: dict[int, core.DiffAccumulator],
+    accs: _PerTensor,
     pairs: list[tuple[TensorInfo, TensorInfo]],
     numeric: list[bool],
     depth: int,

@@ -173,7 +173,9 @@ def test_an_empty_selection_is_a_usage_error(pair):
 
 def test_formats_and_layouts_compare_by_value(tmp_path):
     grads, npz, sharded = SAMPLES / "grads.safetensors", SAMPLES / "grads.npz", SAMPLES / "sharded"
-    assert run("diff", grads, sharded, "--fail-different").exit_code == 0  # sharded against merged
+    # sharded against merged: the same tensors; the metadata differs (issue 22 item 20: it counts)
+    assert diff_json(grads, sharded)["different"] == ["1 metadata key differs (source)"]
+    assert run("diff", grads, sharded, "--fail-different").exit_code == 1
     d = diff_json(grads, npz)  # the npz holds the bfloat16 tensors widened to float32, exactly
     assert d["diff_norm"] == 0.0 and d["changed"] == 0
     assert {t["identical"] for t in d["tensors"] if t["dtype_a"] == "bfloat16"} == {False}
@@ -218,10 +220,10 @@ def _diffs(ckpt_a, ckpt_b, kind, jobs):
     from clipcli.commands import _Diffs
 
     results = _engine.run_pairs(
-        (ckpt_a, ckpt_b), pairs, lambda: _Diffs(2.0, [True] * len(pairs)), jobs, core.BLOCK, kind=kind
+        (ckpt_a, ckpt_b), pairs, lambda: _Diffs(2.0, pairs, [True] * len(pairs)), jobs, core.BLOCK, kind=kind
     )
     accs = {}
-    for worker, _, _ in results:
+    for worker, _, _, _ in results:
         for i, acc in worker.items():
             accs.setdefault(i, core.DiffAccumulator(2.0)).merge(acc)
     return {pairs[i][0].name: acc.result() for i, acc in accs.items()}
@@ -252,8 +254,8 @@ def test_the_library_diff_is_exported():
 def test_a_copy_with_different_tensor_order_is_the_same(tmp_path):
     src = SAMPLES / "grads.safetensors"
     with open_checkpoint(src) as ckpt:
-        tensors = {t.name: ckpt.read(t) for t in ckpt.tensors}
-    reordered = write_st(tmp_path / "r.safetensors", dict(reversed(list(tensors.items()))), {"format": "pt"})
+        tensors, metadata = {t.name: ckpt.read(t) for t in ckpt.tensors}, ckpt.metadata
+    reordered = write_st(tmp_path / "r.safetensors", dict(reversed(list(tensors.items()))), metadata)
     assert run("diff", src, reordered, "--fail-different").exit_code == 0
     shutil.copy(src, tmp_path / "copy.safetensors")
     assert run("diff", src, tmp_path / "copy.safetensors", "--fail-different").exit_code == 0

@@ -233,10 +233,9 @@ def test_nan_and_inf(a, b, diff_norm, max_abs_diff, changed, dtype):
     assert (s.nan_a, s.inf_a, s.nan_b, s.inf_b) == tuple(
         int(f(x.astype(F64)).sum()) for x in (a, b) for f in (np.isnan, np.isinf)
     )
-    if math.isnan(diff_norm):
-        assert math.isnan(s.rel)
-    elif diff_norm == 0:
-        assert s.rel == 0.0  # nothing changed, whatever A holds
+    # rel is ‖A−B‖ / ‖A‖ (issue 22 item 22: not 0 where nothing changed but A holds NaN)
+    rel = s.diff_norm / s.norm_a
+    assert s.rel == rel or (math.isnan(s.rel) and math.isnan(rel))
 
 
 def test_nan_and_inf_in_the_fast_path_take_the_general_one():
@@ -518,7 +517,8 @@ def test_a_tensor_diffed_with_itself_is_zero(seed, size, pair, specials, p):
     same.add_identical(a)
     assert bits(same.result()) == bits(s)
     assert (s.diff_norm, s.max_abs_diff, s.changed, s.size) == (0.0, 0.0, 0, size)
-    assert s.rel == (None if s.norm_a == 0 else 0.0)
+    # 0 / ‖A‖: NaN where A holds NaN (issue 22 item 22)
+    assert bits(s.rel) == bits(None if s.norm_a == 0 else math.nan if s.nan_a else 0.0)
     if s.nan_a or s.inf_a:
         assert math.isnan(s.cosine)
     else:

@@ -309,6 +309,7 @@ class _PairTask(NamedTuple):
     count: int = 0  # elements
     stream: bool = False
     whole: bool = False  # both tensors read whole, in C order: their element orders differ (Fortran and C)
+    batch: tuple[int, ...] = ()  # whole small pairs lying together on both sides, read at once
 
 
 def run_pairs(
@@ -326,13 +327,24 @@ def run_pairs(
     is one task, both sides streamed in chunks of the same element count. Tensors carried as bytes are
     paired byte by byte. A tensor in Fortran order paired with one in C order (of more than one
     dimension longer than 1) is read whole, both sides, into C order: their stored orders pair other
-    elements.
+    elements. Small pairs lying one after another on both sides are read together, as `run` reads small
+    tensors: given to the kernel's `batch(pairs, raw_a, starts_a, raw_b, starts_b)` where it has one.
     """
     total = sum(a.nbytes + b.nbytes for a, b in pairs)
     jobs = max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
     max_bytes = chunk_bytes(jobs)
     tasks: list[_PairTask] = []
+    run: list[int] = []  # small pairs lying together on both sides
     for i, (a, b) in enumerate(pairs):
+        if _small_pair(a, b):
+            if run and not _pair_follows((a, b), pairs[run[-1]], pairs[run[0]], max_bytes):
+                tasks.append(_PairTask(run[0], batch=tuple(run)))
+                run = []
+            run.append(i)
+            continue
+        if run:
+            tasks.append(_PairTask(run[0], batch=tuple(run)))
+            run = []
         if a.fortran_order != b.fortran_order and sum(n > 1 for n in a.shape) > 1:
             tasks.append(_PairTask(i, whole=True))
             continue
@@ -342,6 +354,8 @@ def run_pairs(
         size = a.nbytes // _itemsize(a)
         step = max(max_bytes // max(_itemsize(a), _itemsize(b)) // block, 1) * block
         tasks += [_PairTask(i, start, min(step, size - start)) for start in range(0, size, step)] or [_PairTask(i)]
+    if run:
+        tasks.append(_PairTask(run[0], batch=tuple(run)))
     work = _PairWorker(readers, pairs, tasks, make_kernel, max_bytes, block)
     return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
 
@@ -361,6 +375,9 @@ class _PairWorker(_Worker):
 
     def do(self, kernel: Any, task: _PairTask, progress: Callable[[int], None], buffers: _Buffers) -> None:
         a, b = self.pairs[task.pair]
+        if task.batch:
+            self._pair_batch(kernel, task.batch, progress, buffers)
+            return
         if task.stream:
             self._stream_pair(kernel, task.pair, a, b, progress)
             return
@@ -369,16 +386,40 @@ class _PairWorker(_Worker):
             kernel.pair(task.pair, 0, va, vb, _equal_values(va, vb))
             progress(a.nbytes + b.nbytes)
             return
-        values, raw = [], []
+        raw = []
         for k, (reader, t) in enumerate(zip(self.readers, (a, b), strict=True)):
             item = _itemsize(t)
             buf = buffers.get(task.count * item, k)
             reader.pread(t, task.start * item, buf)
             raw.append(buf)
-            values.append(as_values(buf, _stored(t)))
-        same = _equal_bytes(raw[0], raw[1]) if _stored(a) == _stored(b) else _equal_values(values[0], values[1])
-        kernel.pair(task.pair, task.start, values[0], values[1], same)
+        kernel.pair(task.pair, task.start, *pair_values(a, b, *raw))
         progress(raw[0].nbytes + raw[1].nbytes)
+
+    def _pair_batch(
+        self, kernel: Any, ids: tuple[int, ...], progress: Callable[[int], None], buffers: _Buffers
+    ) -> None:
+        """Whole small pairs lying together: each side's bytes read at once, then the kernel's `batch` (or its
+        `pair`, pair by pair)."""
+        raws, starts = [], []
+        for k, reader in enumerate(self.readers):
+            ts = [self.pairs[i][k] for i in ids]
+            first = ts[0].location.offset
+            buf = buffers.get(ts[-1].location.offset + ts[-1].nbytes - first, k)
+            reader.pread(ts[0] if len(ts) == 1 else _Range(ts[0], buf.size), 0, buf)
+            at = [t.location.offset - first for t in ts]
+            for t, s in zip(ts, at, strict=True):  # each tensor's own checks (a stored member's CRC-32)
+                if len(ts) > 1 and t.location.crc is not None:
+                    reader.check(t, buf[s : s + t.nbytes])
+            raws.append(buf)
+            starts.append(at)
+        batch = getattr(kernel, "batch", None)
+        if batch is not None:
+            batch(ids, raws[0], starts[0], raws[1], starts[1])
+        else:
+            for i, sa, sb in zip(ids, *starts, strict=True):
+                a, b = self.pairs[i]
+                kernel.pair(i, 0, *pair_values(a, b, raws[0][sa : sa + a.nbytes], raws[1][sb : sb + b.nbytes]))
+        progress(raws[0].nbytes + raws[1].nbytes)
 
     def _stream_pair(self, kernel: Any, i: int, a: Any, b: Any, progress: Callable[[int], None]) -> None:
         """Both tensors streamed in chunks of the same element count (a multiple of the block)."""
@@ -393,6 +434,31 @@ class _PairWorker(_Worker):
             progress(va.nbytes + vb.nbytes)
 
 
+def _small_pair(a: Any, b: Any) -> bool:
+    """Whether a pair is read whole among others: small tensors of values, contiguous, in one element order."""
+    return (
+        a.nbytes <= SMALL_TENSOR
+        and b.nbytes <= SMALL_TENSOR
+        and a.array_dtype is not None
+        and b.array_dtype is not None
+        and isinstance(a.location, Span)
+        and isinstance(b.location, Span)
+        and (a.fortran_order == b.fortran_order or sum(n > 1 for n in a.shape) <= 1)
+    )
+
+
+def _pair_follows(pair: tuple[Any, Any], last: tuple[Any, Any], first: tuple[Any, Any], max_bytes: int) -> bool:
+    """Whether both tensors of a pair lie just after those of `last` in their files (at most _GAP bytes on),
+    each side of the run from `first` taking at most `max_bytes`."""
+    return _follows(pair[0], last[0], first[0], max_bytes) and _follows(pair[1], last[1], first[1], max_bytes)
+
+
+def _follows(t: Any, last: Any, first: Any, max_bytes: int) -> bool:
+    offset = t.location.offset
+    gap = offset - last.location.offset - last.nbytes
+    return 0 <= gap <= _GAP and offset + t.nbytes - first.location.offset <= max_bytes and t.file == last.file
+
+
 def _itemsize(t: Any) -> int:
     """Bytes per element as a pair is read: a type carried as bytes is paired byte by byte."""
     return t.array_dtype.itemsize if t.array_dtype is not None else 1
@@ -400,6 +466,13 @@ def _itemsize(t: Any) -> int:
 
 def _stored(t: Any) -> np.dtype:
     return t.stored_dtype or t.array_dtype or np.dtype(np.uint8)
+
+
+def pair_values(a: Any, b: Any, raw_a: np.ndarray, raw_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The values of a pair's bytes read (of tensors `a` and `b`), and whether they are the same: the same
+    dtype and bits."""
+    va, vb = as_values(raw_a, _stored(a)), as_values(raw_b, _stored(b))
+    return va, vb, _equal_bytes(raw_a, raw_b) if _stored(a) == _stored(b) else _equal_values(va, vb)
 
 
 def _equal_values(x: np.ndarray, y: np.ndarray) -> bool:

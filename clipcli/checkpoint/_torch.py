@@ -44,8 +44,15 @@ from clipcli.checkpoint._pickle import (
     unpickle,
     unpickle_at,
 )
-from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
-from clipcli.report import printable
+from clipcli.errors import (
+    ClipcliError,
+    FileTypeError,
+    InputError,
+    MalformedError,
+    MissingFileError,
+    UnsupportedError,
+    printable,
+)
 
 __all__ = [
     "TorchTensor",

@@ -220,9 +220,9 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     if dtype not in DTYPES:
         raise UnsupportedError(f"unknown dtype {dtype!r}", path, name)
     if type(shape) is not list or not _counts(shape):
-        raise MalformedError(f"'shape' must be a list of unsigned 64-bit integers, got {json.dumps(shape)}", path, name)
+        raise MalformedError(f"'shape' must be a list of unsigned 64-bit integers, got {_shown(shape)}", path, name)
     if not (type(offsets) is list and len(offsets) == 2 and _counts(offsets)):
-        got = json.dumps(offsets)
+        got = _shown(offsets)
         raise MalformedError(f"'data_offsets' must be two unsigned 64-bit integers, got {got}", path, name)
     begin, end = offsets
     if end < begin:
@@ -242,6 +242,12 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
             name,
         )
     return base + begin, end - begin, name, d, tuple(shape)
+
+
+def _shown(value: Any) -> str:
+    """A header's value as JSON, cut short (a number may have 4,000 digits)."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def _counts(values: list[Any]) -> bool:

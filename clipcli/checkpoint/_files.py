@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import reprlib
@@ -112,6 +113,19 @@ def check_elements(shape: tuple[int, ...], tensor: str | None = None) -> None:
     """
     if math.prod(shape) >= MAX_COUNT:
         raise MalformedError(f"the shape ({len(shape)} dimensions) holds more than 2**63 elements", tensor=tensor)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Holds off Python's cyclic garbage collector while a header's objects are made: a header may list a
+    million tensors, none of them in a cycle, and each collection would walk all those made so far."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Shown(reprlib.Repr):

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import SAFETENSORS, UNKNOWN, Span, read_head, sniff, write_data
+from clipcli.checkpoint._files import SAFETENSORS, UNKNOWN, Span, gc_paused, read_head, sniff, write_data
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
@@ -74,6 +74,31 @@ Entry = tuple[int, int, str, Dtype, tuple[int, ...]]
 _DATA_ORDER = operator.itemgetter(0, 1)
 
 
+class _Parsed(NamedTuple):
+    """A tensor's object in the header as parsed (`_object`), unchecked: `shape` as a tuple, and
+    `dtype` the shared Dtype of its code."""
+
+    dtype: Dtype
+    shape: tuple[Any, ...]
+    begin: Any
+    end: Any
+
+    def as_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype.code, "shape": list(self.shape), "data_offsets": [self.begin, self.end]}
+
+
+def _object(pairs: list[tuple[str, Any]]) -> Any:
+    """A JSON object of the header: a tensor's, in the reference writer's key order, as a `_Parsed` (a
+    fraction of a dict's memory, and a header may list a million); any other as a dict without duplicate keys."""
+    if len(pairs) == 3:
+        (k1, code), (k2, shape), (k3, offsets) = pairs
+        if k1 == "dtype" and k2 == "shape" and k3 == "data_offsets" and type(shape) is list and type(offsets) is list:
+            d = DTYPES.get(code) if type(code) is str else None
+            if d is not None and len(offsets) == 2:
+                return _Parsed(d, tuple(shape), *offsets)
+    return _no_duplicates(pairs)
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) < len(pairs):
@@ -105,7 +130,12 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
         # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
         ints = {"parse_int": _json_int} if b"-0" in raw else {}
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, **ints)
+        text = raw.decode("utf-8")
+        del raw  # (up to 100 MB: not held beside its text and what it parses into)
+        header = json.loads(text, object_pairs_hook=_object, **ints)
+        del text
+        if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
+            header = header.as_json()
     except MalformedError as e:
         raise MalformedError(e.message, path) from e
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -113,6 +143,8 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     if not isinstance(header, dict):
         raise MalformedError("the header is not a JSON object", path)
     metadata = header.pop("__metadata__", None)
+    if type(metadata) is _Parsed:
+        metadata = metadata.as_json()
     if metadata is None:  # absent, or null as the reference reader takes it
         metadata = {}
     if not isinstance(metadata, dict) or not all(
@@ -144,13 +176,13 @@ def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
     """The metadata and tensors of a .safetensors file, from its header alone."""
     from clipcli.checkpoint import TensorInfo
 
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, gc_paused():
         metadata, entries = read_header(path, f, os.fstat(f.fileno()).st_size)
-    file = str(path)
-    return metadata, [
-        TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
-        for start, nbytes, name, d, shape in entries
-    ]
+        file = str(path)
+        return metadata, [
+            TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
+            for start, nbytes, name, d, shape in entries
+        ]
 
 
 def write(
@@ -194,21 +226,19 @@ def _not_safetensors(path: Path, reason: str) -> Exception:
 
 def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
     """A tensor's entry, checked as the reference reader checks it: this tries the common case (a well-formed
-    entry) in few steps, `_checked_entry` says what is wrong with any other."""
-    try:
-        d, shape, (begin, end) = DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
-    except (TypeError, KeyError, ValueError):
+    entry, parsed as a `_Parsed`) in few steps, `_checked_entry` says what is wrong with any other."""
+    if type(info) is not _Parsed:
         return _checked_entry(path, name, info, base)
+    d, shape, begin, end = info
     if (
-        type(shape) is list
-        and type(begin) is int
+        type(begin) is int
         and type(end) is int
         and 0 <= begin < end  # data, so no dimension is 0 and none overflows (see `_checked_entry`)
         and _counts(shape)
         and math.prod(shape) * d.bits == 8 * (end - begin)
     ):
-        return base + begin, end - begin, name, d, tuple(shape)
-    return _checked_entry(path, name, info, base)
+        return base + begin, end - begin, name, d, shape
+    return _checked_entry(path, name, info.as_json(), base)
 
 
 def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
@@ -250,7 +280,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
-def _counts(values: list[Any]) -> bool:
+def _counts(values: Sequence[Any]) -> bool:
     """Whether every value is an unsigned 64-bit int (JSON's integers; not a bool, not a float)."""
     for x in values:  # noqa: SIM110 - a loop is twice as fast as all() over a generator (twice per tensor)
         if type(x) is not int or not 0 <= x < _U64:

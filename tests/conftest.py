@@ -123,3 +123,26 @@ def run_bounded(*args: object, seconds: float = 10, memory_mb: int = 1024, cwd: 
             usage.ru_maxrss / 1024,
             elapsed,
         )
+
+
+def npy_header(shape: object, descr: str = "<f4", fortran: bool = False) -> bytes:
+    """A version 2.0 .npy header with `shape` written as given (a tuple, or text such as "(0x1f,)")."""
+    shape_text = shape if isinstance(shape, str) else repr(tuple(shape))
+    text = f"{{'descr': {descr!r}, 'fortran_order': {fortran}, 'shape': {shape_text}, }}"
+    body = (text + " " * (-(len(text) + 13) % 64) + "\n").encode("latin1")
+    return b"\x93NUMPY\x02\x00" + struct.pack("<I", len(body)) + body
+
+
+def zeros_npz(path: Path, nbytes: int, method: int, name: str = "a.npy") -> Path:
+    """An .npz of one float32 member of `nbytes` zero bytes compressed by `method` (a bomb when bzip2 or LZMA)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        info = zipfile.ZipInfo(name)
+        info.compress_type = method
+        with z.open(info, "w", force_zip64=True) as member:
+            member.write(npy_header((nbytes // 4,)))
+            block = bytes(1 << 22)
+            for start in range(0, nbytes, len(block)):
+                member.write(block[: nbytes - start])
+    return path

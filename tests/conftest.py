@@ -6,6 +6,7 @@ import json
 import struct
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors.numpy
@@ -134,15 +135,37 @@ def npy_header(shape: object, descr: str = "<f4", fortran: bool = False) -> byte
 
 
 def zeros_npz(path: Path, nbytes: int, method: int, name: str = "a.npy") -> Path:
-    """An .npz of one float32 member of `nbytes` zero bytes compressed by `method` (a bomb when bzip2 or LZMA)."""
-    import zipfile
+    """An .npz of one float32 member of `nbytes` zero bytes compressed by `method` (bzip2 or LZMA: a bomb).
 
-    with zipfile.ZipFile(path, "w") as z:
-        info = zipfile.ZipInfo(name)
-        info.compress_type = method
-        with z.open(info, "w", force_zip64=True) as member:
-            member.write(npy_header((nbytes // 4,)))
-            block = bytes(1 << 22)
-            for start in range(0, nbytes, len(block)):
-                member.write(block[: nbytes - start])
+    Compressed here, LZMA at its fastest preset, and put in the zip as stored bytes whose method, CRC-32 and
+    size are then set in both headers (zipfile would compress at its own, slow, preset)."""
+    import bz2
+    import lzma
+    import zipfile
+    import zlib
+
+    head = npy_header((nbytes // 4,))
+    lzma1 = {"id": lzma.FILTER_LZMA1, "preset": 0, "dict_size": 1 << 20, "lc": 3, "lp": 0, "pb": 2}
+    if method == zipfile.ZIP_BZIP2:
+        compressor: Any = bz2.BZ2Compressor(9)
+        prefix = b""
+    else:
+        compressor = lzma.LZMACompressor(lzma.FORMAT_RAW, filters=[lzma1])
+        prefix = struct.pack("<BBH", 9, 4, 5) + bytes([(2 * 5 + 0) * 9 + 3]) + (1 << 20).to_bytes(4, "little")
+    parts, crc = [prefix, compressor.compress(head)], zlib.crc32(head)
+    block = bytes(1 << 22)
+    for start in range(0, nbytes, len(block)):
+        piece = block[: nbytes - start]
+        crc = zlib.crc32(piece, crc)
+        parts.append(compressor.compress(piece))
+    parts.append(compressor.flush())
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(name, b"".join(parts))
+    data = bytearray(path.read_bytes())
+    central = data.rindex(b"PK\x01\x02")
+    for method_at, crc_at, size_at in ((8, 14, 22), (central + 10, central + 16, central + 24)):
+        struct.pack_into("<H", data, method_at, method)
+        struct.pack_into("<I", data, crc_at, crc)
+        struct.pack_into("<I", data, size_at, len(head) + nbytes)
+    path.write_bytes(bytes(data))
     return path

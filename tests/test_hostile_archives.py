@@ -110,8 +110,8 @@ def test_index_shard_paths_that_leave_the_directory_are_refused(tmp_path: Path, 
 def bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bombs")
     return {
-        "bzip2": zeros_npz(root / "bzip2.npz", 128 << 20, zipfile.ZIP_BZIP2),  # ~250 bytes
-        "lzma": zeros_npz(root / "lzma.npz", 64 << 20, zipfile.ZIP_LZMA),  # ~10 KB
+        "bzip2": zeros_npz(root / "bzip2.npz", 128 << 20, zipfile.ZIP_BZIP2),  # ~330 bytes
+        "lzma": zeros_npz(root / "lzma.npz", 128 << 20, zipfile.ZIP_LZMA),  # ~19 KB
     }
 
 
@@ -120,10 +120,11 @@ def bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_npz_bombs_decompress_within_bounded_memory(bombs: dict[str, Path], method: str, command: str) -> None:
     # issue 22 item 8: zipfile inflated a bzip2/LZMA member whole on its first read (1 KB of file: 2 GB)
     path = bombs[method]
-    assert path.stat().st_size < 12_000
-    r = run_bounded(command, path, seconds=60, memory_mb=1024)
+    assert path.stat().st_size < 20_000
+    # the address space of a clipcli that reads 4 MiB chunks (about 150 MB), not one that holds the 128 MB
+    # member (peak_mb would be no measure: a forked child's starts at the size of the pytest process)
+    r = run_bounded(command, path, seconds=60, memory_mb=250)
     assert r.returncode == 0 and "a " in r.stdout, r
-    assert r.peak_mb < 110, r
 
 
 def test_a_compressed_member_longer_than_declared_is_read_to_its_declared_size(tmp_path: Path) -> None:
@@ -146,13 +147,13 @@ def test_a_compressed_member_longer_than_declared_is_read_to_its_declared_size(t
 
 def test_fortran_order_compressed_member_is_not_held_twice(tmp_path: Path) -> None:
     # issue 22 item 8: a Fortran-order compressed member was held whole twice over (and a list of copies)
-    a = np.zeros((4096, 4096), np.float32, order="F")  # 64 MB
+    a = np.zeros((4096, 8192), np.float32, order="F")  # 128 MB
     a[1, 0], a[0, 1] = 1, 2
     path = tmp_path / "f.npz"
     np.savez_compressed(path, a=a)
-    r = run_bounded("convert", path, "-o", tmp_path / "f.safetensors", seconds=60, memory_mb=1024)
+    # room for the tensor once (it needs 250 MB of address space; holding it twice or thrice, over 350)
+    r = run_bounded("convert", path, "-o", tmp_path / "f.safetensors", seconds=60, memory_mb=300)
     assert r.returncode == 0, r
-    assert r.peak_mb < 150, r  # the tensor once (64 MB) and the interpreter; it was 2-3 times the tensor
     got = safetensors.numpy.load_file(tmp_path / "f.safetensors")["a"]
     assert got[1, 0] == 1 and got[0, 1] == 2 and got.sum() == 3
 
@@ -202,8 +203,12 @@ def test_a_huge_safetensors_number_is_quoted_short(tmp_path: Path) -> None:
     path = tmp_path / "big.safetensors"
     path.write_bytes(raw_safetensors(header, bytes(4)))
     r = run_bounded("inspect", path, seconds=10)
-    refused(r, "unsigned 64-bit integers", "characters")
+    refused(r, "integers from 0 to 2**63 - 1", "characters")
     assert len(r.stderr) < 400
+    # a dimension of 2**63 or more, in a tensor of 0 elements: no .npy (nor torch) could hold it
+    edge = tmp_path / "edge.safetensors"
+    edge.write_bytes(raw_safetensors({"a": {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}}))
+    refused(run_bounded("inspect", edge, seconds=10), "integers from 0 to 2**63 - 1, got [9223372036854775808, 0]")
 
 
 def torch_zip(path: Path, data_pkl: bytes) -> Path:

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import SAFETENSORS, UNKNOWN, Span, gc_paused, read_head, sniff, write_data
+from clipcli.checkpoint._files import MAX_COUNT, SAFETENSORS, UNKNOWN, Span, gc_paused, read_head, sniff, write_data
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
@@ -250,10 +250,10 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     if dtype not in DTYPES:
         raise UnsupportedError(f"unknown dtype {dtype!r}", path, name)
     if type(shape) is not list or not _counts(shape):
-        raise MalformedError(f"'shape' must be a list of unsigned 64-bit integers, got {_shown(shape)}", path, name)
+        raise MalformedError(f"'shape' must be a list of integers from 0 to 2**63 - 1, got {_shown(shape)}", path, name)
     if not (type(offsets) is list and len(offsets) == 2 and _counts(offsets)):
         got = _shown(offsets)
-        raise MalformedError(f"'data_offsets' must be two unsigned 64-bit integers, got {got}", path, name)
+        raise MalformedError(f"'data_offsets' must be two integers from 0 to 2**63 - 1, got {got}", path, name)
     begin, end = offsets
     if end < begin:
         raise MalformedError(f"data offsets {begin}..{end} end before they begin", path, name)
@@ -281,9 +281,11 @@ def _shown(value: Any) -> str:
 
 
 def _counts(values: Sequence[Any]) -> bool:
-    """Whether every value is an unsigned 64-bit int (JSON's integers; not a bool, not a float)."""
+    """Whether every value is an int from 0 to 2**63 - 1 (JSON's integers; not a bool, not a float). The
+    reference reader takes up to 2**64 - 1, but no tensor library holds a dimension past 2**63 (NumPy's intp,
+    torch's int64), nor a file an offset."""
     for x in values:  # noqa: SIM110 - a loop is twice as fast as all() over a generator (twice per tensor)
-        if type(x) is not int or not 0 <= x < _U64:
+        if type(x) is not int or not 0 <= x < MAX_COUNT:
             return False
     return True
 

@@ -369,4 +369,48 @@ def torch_legacy(path: Path, obj_pkl: bytes, storages: dict[str, bytes] | None =
     parts += [obj_pkl, pickle.dumps(list(storages or {}), protocol)]
     parts += [struct.pack("<q", len(data) // 4) + data for data in (storages or {}).values()]
     path.write_bytes(b"".join(parts))
+
+
+def npy_header(shape: object, descr: str = "<f4", fortran: bool = False) -> bytes:
+    """A version 2.0 .npy header with `shape` written as given (a tuple, or text such as "(0x1f,)")."""
+    shape_text = shape if isinstance(shape, str) else repr(tuple(shape))
+    text = f"{{'descr': {descr!r}, 'fortran_order': {fortran}, 'shape': {shape_text}, }}"
+    body = (text + " " * (-(len(text) + 13) % 64) + "\n").encode("latin1")
+    return b"\x93NUMPY\x02\x00" + struct.pack("<I", len(body)) + body
+
+
+def zeros_npz(path: Path, nbytes: int, method: int, name: str = "a.npy") -> Path:
+    """An .npz of one float32 member of `nbytes` zero bytes compressed by `method` (bzip2 or LZMA: a bomb).
+
+    Compressed here, LZMA at its fastest preset, and put in the zip as stored bytes whose method, CRC-32 and
+    size are then set in both headers (zipfile would compress at its own, slow, preset)."""
+    import bz2
+    import lzma
+    import zipfile
+    import zlib
+
+    head = npy_header((nbytes // 4,))
+    lzma1 = {"id": lzma.FILTER_LZMA1, "preset": 0, "dict_size": 1 << 20, "lc": 3, "lp": 0, "pb": 2}
+    if method == zipfile.ZIP_BZIP2:
+        compressor: Any = bz2.BZ2Compressor(9)
+        prefix = b""
+    else:
+        compressor = lzma.LZMACompressor(lzma.FORMAT_RAW, filters=[lzma1])
+        prefix = struct.pack("<BBH", 9, 4, 5) + bytes([(2 * 5 + 0) * 9 + 3]) + (1 << 20).to_bytes(4, "little")
+    parts, crc = [prefix, compressor.compress(head)], zlib.crc32(head)
+    block = bytes(1 << 22)
+    for start in range(0, nbytes, len(block)):
+        piece = block[: nbytes - start]
+        crc = zlib.crc32(piece, crc)
+        parts.append(compressor.compress(piece))
+    parts.append(compressor.flush())
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(name, b"".join(parts))
+    data = bytearray(path.read_bytes())
+    central = data.rindex(b"PK\x01\x02")
+    for method_at, crc_at, size_at in ((8, 14, 22), (central + 10, central + 16, central + 24)):
+        struct.pack_into("<H", data, method_at, method)
+        struct.pack_into("<I", data, crc_at, crc)
+        struct.pack_into("<I", data, size_at, len(head) + nbytes)
+    path.write_bytes(bytes(data))
     return path

@@ -882,7 +882,9 @@ def test_zero_size_and_negative_zero_entries_are_taken_as_the_reference_reader_t
             want = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     except Exception:  # the reference reader's SafetensorError
         want = None
-    if want is None:
+    # issue 22 item 12 changed this: a dimension of 2**63 or more, which the reference reader takes in an empty
+    # tensor, is refused (no NumPy or torch tensor has one; written to .npy it could not be loaded)
+    if want is None or any(d >= 2**63 for shape in want.values() for d in shape):
         with pytest.raises(MalformedError):
             open_checkpoint(path)
     else:

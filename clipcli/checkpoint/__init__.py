@@ -84,7 +84,9 @@ _MAX_OPEN = 16  # files a checkpoint holds open to read at once (macOS allows a 
 _MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are written one after another
 
 
-@dataclass(unsafe_hash=True)  # never changed once made; not frozen, as a frozen one is 4 times as slow to make
+# never changed once made; not frozen, as a frozen one is 4 times as slow to make; slots, as a header may list
+# a million
+@dataclass(unsafe_hash=True, slots=True)
 class TensorInfo:
     """A tensor as its file's header describes it; `array_dtype` is None for types carried as bytes.
 
@@ -646,7 +648,8 @@ def save(
 def _write_index(layout: Plan) -> list[Path]:
     if layout.index is None:
         return []
-    mapping = {t.name: target.name for target, group in layout.files for t in group}
+    where = layout.index.parent
+    mapping = {t.name: target.relative_to(where).as_posix() for target, group in layout.files for t in group}
     total = sum(t.nbytes for _, group in layout.files for t in group)
     with atomic_write(layout.index) as f:
         _sharded.write_index(f, layout.index_base, mapping, total)
@@ -771,19 +774,27 @@ def _refuse_overwrite(source: Checkpoint, layout: Plan, in_place: bool | None) -
 
 @contextlib.contextmanager
 def _directory(layout: Plan) -> Iterator[None]:
-    """Makes the directory of shards if missing; removes it again, if still empty, when the write fails."""
-    made = layout.directory is not None and not layout.directory.exists()
-    if made:
-        try:
-            layout.directory.mkdir(parents=True)
-        except OSError as e:
-            raise WriteError(f"cannot create the directory: {e.strerror or e}", layout.directory) from e
+    """Makes the directory of shards and its shards' subdirectories where missing; removes those it made
+    again, if still empty, when the write fails."""
+    made: list[Path] = []
     try:
+        if layout.directory is not None:
+            for d in dict.fromkeys([layout.directory, *(f.parent for f, _ in layout.files)]):
+                missing = []
+                while not d.exists() and d != d.parent:
+                    missing.append(d)
+                    d = d.parent
+                for d in reversed(missing):
+                    try:
+                        d.mkdir()
+                    except OSError as e:
+                        raise WriteError(f"cannot create the directory: {e.strerror or e}", d) from e
+                    made.append(d)
         yield
     except BaseException:
-        if made:
+        for d in reversed(made):
             with contextlib.suppress(OSError):
-                layout.directory.rmdir()
+                d.rmdir()
         raise
 
 
@@ -825,7 +836,10 @@ def plan(
         if max_shard is not None:
             layout = _reshard(tensors, directory, out if kind == "index" else None, max_shard, source.index)
         elif source.format == "sharded":
-            files = [(directory / f.name, [t for t in tensors if Path(t.file) == f]) for f in source.files]
+            groups: dict[str, list[TensorInfo]] = {}
+            for t in tensors:
+                groups.setdefault(t.file, []).append(t)
+            files = [(directory / name, groups.get(str(f), [])) for f, name in _shard_names(source)]
             index = None
             if source.index_path is not None:
                 index = out if kind == "index" else directory / source.index_path.name
@@ -857,6 +871,14 @@ def plan(
     return layout
 
 
+def _shard_names(source: Checkpoint) -> list[tuple[Path, Path]]:
+    """Each shard of a sharded source with its path relative to the index's directory (`a/model.safetensors`):
+    shards of one name in different subdirectories stay apart in the output. The index reader refuses
+    shard paths that leave its directory, so each is below it."""
+    base = source.path if source.index_path is None else source.index_path.parent
+    return [(f, f.relative_to(base)) for f in source.files]
+
+
 def _check_no_stale_shards(layout: Plan, source_index: Path | None = None) -> None:
     """Refuses a directory output that holds other shards or indexes than those the write makes: left
     beside the new ones, they would make the directory a different (or an unreadable) checkpoint.
@@ -869,9 +891,12 @@ def _check_no_stale_shards(layout: Plan, source_index: Path | None = None) -> No
     made = {resolve_target(f) for f, _ in layout.files} | ({resolve_target(layout.index)} if layout.index else set())
     if source_index is not None:  # PyTorch shards converted beside themselves: the new index is read first
         made.add(resolve_target(source_index))
+    directories = dict.fromkeys([layout.directory, *(f.parent for f, _ in layout.files)])  # shards' subdirectories
     stale = sorted(
-        p.name
-        for p in layout.directory.iterdir()
+        p.relative_to(layout.directory).as_posix()
+        for d in directories
+        if d.is_dir()
+        for p in d.iterdir()
         if p.name.endswith((".safetensors", INDEX_SUFFIX, *_sharded.TORCH_INDEX_SUFFIXES))
         and resolve_target(p) not in made
     )
@@ -914,6 +939,8 @@ def _check_format(target: Path, tensors: list[TensorInfo]) -> None:
                 _safetensors.dtype_of(t)
             elif not (t.array_dtype is None and (t.prefix or (kind == "npz" and t.dtype == "bytes"))):
                 _npy.check_portable(t.array_dtype, t.name)
+            if kind == "npz":
+                _npz.check_member_name(_npz.tensor_member(t))
         except UnsupportedError as e:
             raise UnsupportedError(e.message, target, t.name) from e
     if kind == "npy" and len(tensors) != 1:
@@ -921,13 +948,13 @@ def _check_format(target: Path, tensors: list[TensorInfo]) -> None:
 
 
 def _c_order(chunks: ChunkSource) -> ChunkSource:
-    """Chunks in C order; a Fortran-order tensor written to a C-order format is transposed whole (held)."""
+    """Chunks in C order. A Fortran-order tensor with at most one dimension past 1 has the same bytes in
+    either order; any other is transposed (`_transposed`)."""
 
     def in_c_order(t: TensorInfo) -> Iterable[np.ndarray]:
-        if not t.fortran_order:
+        if not t.fortran_order or t.size == 0 or sum(n > 1 for n in t.shape) <= 1:
             return chunks(t)
-        flat = np.concatenate([np.array(c) for c in chunks(t)] or [np.empty(0, t.array_dtype)])
-        return [c_order(flat, t.shape)]
+        return _transposed(t, chunks(t))
 
     return in_c_order
 
@@ -941,6 +968,24 @@ def c_order(flat: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if flat.size == 0:
         return flat
     return flat.reshape([n for n in shape if n != 1], order="F").ravel(order="C")
+
+
+def _transposed(t: TensorInfo, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """A Fortran-order tensor's chunks in C order: read into one array (a compressed member comes in
+    Fortran order only), then given out a block of C-order rows at a time, so it is held once, not twice."""
+    whole = np.empty(t.size, t.array_dtype if t.array_dtype is not None else np.uint8)
+    at = 0
+    for c in chunks:
+        whole[at : at + c.size] = c
+        at += c.size
+    shape = [n for n in t.shape if n != 1]  # NumPy holds at most 64 dimensions; ones change neither order
+    view = whole.reshape(shape, order="F")
+    # blocks of about CHUNK_BYTES: rows of axis k with the axes after it whole, for each index of those before
+    k = next(k for k in range(len(shape)) if math.prod(shape[k + 1 :]) * whole.itemsize <= CHUNK_BYTES)
+    rows = max(1, CHUNK_BYTES // (math.prod(shape[k + 1 :]) * whole.itemsize))
+    for lead in np.ndindex(*shape[:k]):
+        for i in range(0, shape[k], rows):
+            yield np.ascontiguousarray(view[lead][i : i + rows]).reshape(-1)
 
 
 def _expect(target: Path) -> Callable[[TensorInfo, int], None]:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.checkpoint._files import Piece, Pieces
+from clipcli.checkpoint._files import Piece, Pieces, check_elements
 from clipcli.checkpoint._pickle import Constructor, Record, kind, unpickle
 from clipcli.checkpoint._torch import (
     MAX_PICKLE,
@@ -601,8 +601,7 @@ def _tensor(fqn: str, entry: _Object, files: _Files) -> DcpTensor:
         dtype, dtype_name = _tensor_dtype(entry, fqn)
         shape = _dims(entry.get("size"), "global shape", fqn)
         boxes = _boxes(entry.get("chunks"), len(shape), fqn)
-        if math.prod(shape) >= _MAX_INDEX:
-            raise MalformedError(f"the shape {shape} holds more than 2**63 elements")
+        check_elements(shape)
         problem = _layout_error(shape, boxes)
         if problem is not None:
             raise MalformedError(problem)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
+import reprlib
 import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -14,7 +16,7 @@ from typing import Any, BinaryIO, NamedTuple, cast
 
 import numpy as np
 
-from clipcli.errors import WriteError, commit_begins, defer_stops, raise_if_stopped
+from clipcli.errors import MalformedError, WriteError, commit_begins, defer_stops, raise_if_stopped
 
 # Every this many bytes written, the file asks the kernel to start writing them to the disk.
 WRITEBACK_BYTES = 32 << 20
@@ -136,6 +138,48 @@ def _is_text(head: bytes) -> bool:
 def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:
     with open(path, "rb") as f:
         return f.read(n)
+
+
+MAX_COUNT = 1 << 63  # element counts, sizes, strides and offsets are int64 in torch and intp in NumPy
+
+
+def check_elements(shape: tuple[int, ...], tensor: str | None = None) -> None:
+    """Refuses a header's shape (each dimension below MAX_COUNT) of MAX_COUNT elements or more, before anything
+    prints its count: no tensor holds that many, and Python refuses to print an int of more than 4,300 digits.
+
+    Raises:
+        MalformedError: saying so, without the shape (it may have thousands of dimensions).
+    """
+    if math.prod(shape) >= MAX_COUNT:
+        raise MalformedError(f"the shape ({len(shape)} dimensions) holds more than 2**63 elements", tensor=tensor)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Holds off Python's cyclic garbage collector while a header's objects are made: a header may list a
+    million tensors, none of them in a cycle, and each collection would walk all those made so far."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Shown(reprlib.Repr):
+    """`repr`, cut short, with an int past 64 bits shown by its size (Python will not print one of more
+    than 4,300 digits, and no header needs one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxtuple, self.maxlist, self.maxdict, self.maxstring = 3, 8, 8, 8, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        return repr(x) if -(1 << 64) < x < 1 << 64 else f"<a {x.bit_length()}-bit number>"
+
+
+shown = _Shown().repr  # a value from a file's header as an error message quotes it
 
 
 class StoredCrc(NamedTuple):

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from clipcli.checkpoint._files import Span, read_head, sniff, write_data
+from clipcli.checkpoint._files import MAX_COUNT, Span, read_head, shown, sniff, write_data
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAGIC = b"\x93NUMPY"
@@ -23,7 +23,8 @@ MAX_HEADER = 10_000  # NumPy's own default `max_header_size`: longer headers are
 _PORTABLE_KINDS = "biufc"
 _ALIGN = 64
 _GROWTH_DIGITS = 21
-_MAX_BYTES = 1 << 63  # an array's size in bytes must fit NumPy's intp
+_MAX_BYTES = MAX_COUNT  # an array's size in bytes must fit NumPy's intp
+_MAX_DIGITS = len(str(MAX_COUNT))  # of a decimal number in a header
 
 
 class NpyHeader(NamedTuple):
@@ -93,12 +94,10 @@ def read_npy_header(f: BinaryIO, head: bytes = b"") -> NpyHeader:
     if not isinstance(d, dict) or set(d) != {"descr", "fortran_order", "shape"}:
         raise MalformedError("the .npy header must be a dict with exactly 'descr', 'fortran_order' and 'shape'")
     shape, fortran, descr = d["shape"], d["fortran_order"], d["descr"]
-    if not isinstance(shape, tuple) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
-    ):
-        raise MalformedError(f"'shape' must be a tuple of non-negative integers, got {shape!r}")
+    if not isinstance(shape, tuple) or not all(type(x) is int and 0 <= x < MAX_COUNT for x in shape):
+        raise MalformedError(f"'shape' must be a tuple of non-negative integers below 2**63, got {shown(shape)}")
     if not isinstance(fortran, bool):
-        raise MalformedError(f"'fortran_order' must be True or False, got {fortran!r}")
+        raise MalformedError(f"'fortran_order' must be True or False, got {shown(fortran)}")
     dtype = _descr_dtype(descr)
     if math.prod(x for x in shape if x) * max(dtype.itemsize, 1) >= _MAX_BYTES:
         # NumPy's own limit, which it applies to the axes that are not 0 even when one is (np.load refuses)
@@ -118,10 +117,11 @@ def _literal(text: str, major: int) -> Any:
     plain = _PLAIN_HEADER.fullmatch(text)
     if plain is not None and (not plain[3] or "," in plain[3]):  # a tuple: empty, or with a comma
         dims = [d for d in plain[3].replace(" ", "").split(",")]
-        if all(d.isdecimal() for d in dims[:-1]) and (dims[-1] == "" or dims[-1].isdecimal()):
+        if all(_decimal(d) for d in dims[:-1]) and (dims[-1] == "" or _decimal(dims[-1])):
             shape = tuple(int(d) for d in dims if d)
             return {"descr": plain[1], "fortran_order": plain[2] == "True", "shape": shape}
     try:
+        _check_numbers(text)
         try:
             return ast.literal_eval(text)
         except SyntaxError:
@@ -130,6 +130,20 @@ def _literal(text: str, major: int) -> Any:
             return ast.literal_eval(_without_long_suffixes(text))
     except (ValueError, SyntaxError, MemoryError, RecursionError, tokenize.TokenError) as e:
         raise MalformedError(f"the .npy header is not a Python literal ({type(e).__name__})") from e
+
+
+def _decimal(digits: str) -> bool:
+    return digits.isdecimal() and len(digits) <= _MAX_DIGITS
+
+
+def _check_numbers(text: str) -> None:
+    """Refuses a decimal number too long to be a dimension before Python converts it: a few thousand digits
+    take quadratic time, and more than 4,300 raise a ValueError. (Hexadecimal converts in linear time and
+    is checked once converted.)"""
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        digits = token.string.rstrip("lL").replace("_", "")
+        if token.type == tokenize.NUMBER and digits.isdecimal() and len(digits) > _MAX_DIGITS:
+            raise MalformedError(f"the .npy header holds a number of {len(digits)} digits, more than any size needs")
 
 
 def _without_long_suffixes(text: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import SAFETENSORS, UNKNOWN, Span, read_head, sniff, write_data
+from clipcli.checkpoint._files import MAX_COUNT, SAFETENSORS, UNKNOWN, Span, gc_paused, read_head, sniff, write_data
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
@@ -76,6 +76,31 @@ Entry = tuple[int, int, str, Dtype, tuple[int, ...]]
 _DATA_ORDER = operator.itemgetter(0, 1)
 
 
+class _Parsed(NamedTuple):
+    """A tensor's object in the header as parsed (`_object`), unchecked: `shape` as a tuple, and
+    `dtype` the shared Dtype of its code."""
+
+    dtype: Dtype
+    shape: tuple[Any, ...]
+    begin: Any
+    end: Any
+
+    def as_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype.code, "shape": list(self.shape), "data_offsets": [self.begin, self.end]}
+
+
+def _object(pairs: list[tuple[str, Any]]) -> Any:
+    """A JSON object of the header: a tensor's, in the reference writer's key order, as a `_Parsed` (a
+    fraction of a dict's memory, and a header may list a million); any other as a dict without duplicate keys."""
+    if len(pairs) == 3:
+        (k1, code), (k2, shape), (k3, offsets) = pairs
+        if k1 == "dtype" and k2 == "shape" and k3 == "data_offsets" and type(shape) is list and type(offsets) is list:
+            d = DTYPES.get(code) if type(code) is str else None
+            if d is not None and len(offsets) == 2:
+                return _Parsed(d, tuple(shape), *offsets)
+    return _no_duplicates(pairs)
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) < len(pairs):
@@ -107,7 +132,12 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
         # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
         ints = {"parse_int": _json_int} if b"-0" in raw else {}
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, **ints)
+        text = raw.decode("utf-8")
+        del raw  # (up to 100 MB: not held beside its text and what it parses into)
+        header = json.loads(text, object_pairs_hook=_object, **ints)
+        del text
+        if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
+            header = header.as_json()
     except MalformedError as e:
         raise MalformedError(e.message, path) from e
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -115,6 +145,8 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     if not isinstance(header, dict):
         raise MalformedError("the header is not a JSON object", path)
     metadata = header.pop("__metadata__", None)
+    if type(metadata) is _Parsed:
+        metadata = metadata.as_json()
     if metadata is None:  # absent, or null as the reference reader takes it
         metadata = {}
     if not isinstance(metadata, dict) or not all(
@@ -146,13 +178,13 @@ def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
     """The metadata and tensors of a .safetensors file, from its header alone."""
     from clipcli.checkpoint import TensorInfo
 
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, gc_paused():
         metadata, entries = read_header(path, f, os.fstat(f.fileno()).st_size)
-    file = str(path)
-    return metadata, [
-        TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
-        for start, nbytes, name, d, shape in entries
-    ]
+        file = str(path)
+        return metadata, [
+            TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
+            for start, nbytes, name, d, shape in entries
+        ]
 
 
 def write(
@@ -196,21 +228,19 @@ def _not_safetensors(path: Path, reason: str) -> Exception:
 
 def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
     """A tensor's entry, checked as the reference reader checks it: this tries the common case (a well-formed
-    entry) in few steps, `_checked_entry` says what is wrong with any other."""
-    try:
-        d, shape, (begin, end) = DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
-    except (TypeError, KeyError, ValueError):
+    entry, parsed as a `_Parsed`) in few steps, `_checked_entry` says what is wrong with any other."""
+    if type(info) is not _Parsed:
         return _checked_entry(path, name, info, base)
+    d, shape, begin, end = info
     if (
-        type(shape) is list
-        and type(begin) is int
+        type(begin) is int
         and type(end) is int
         and 0 <= begin < end  # data, so no dimension is 0 and none overflows (see `_checked_entry`)
         and _counts(shape)
         and math.prod(shape) * d.bits == 8 * (end - begin)
     ):
-        return base + begin, end - begin, name, d, tuple(shape)
-    return _checked_entry(path, name, info, base)
+        return base + begin, end - begin, name, d, shape
+    return _checked_entry(path, name, info.as_json(), base)
 
 
 def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
@@ -222,10 +252,10 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     if dtype not in DTYPES:
         raise UnsupportedError(f"unknown dtype {dtype!r}", path, name)
     if type(shape) is not list or not _counts(shape):
-        raise MalformedError(f"'shape' must be a list of unsigned 64-bit integers, got {json.dumps(shape)}", path, name)
+        raise MalformedError(f"'shape' must be a list of integers from 0 to 2**63 - 1, got {_shown(shape)}", path, name)
     if not (type(offsets) is list and len(offsets) == 2 and _counts(offsets)):
-        got = json.dumps(offsets)
-        raise MalformedError(f"'data_offsets' must be two unsigned 64-bit integers, got {got}", path, name)
+        got = _shown(offsets)
+        raise MalformedError(f"'data_offsets' must be two integers from 0 to 2**63 - 1, got {got}", path, name)
     begin, end = offsets
     if end < begin:
         raise MalformedError(f"data offsets {begin}..{end} end before they begin", path, name)
@@ -246,10 +276,18 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     return base + begin, end - begin, name, d, tuple(shape)
 
 
-def _counts(values: list[Any]) -> bool:
-    """Whether every value is an unsigned 64-bit int (JSON's integers; not a bool, not a float)."""
+def _shown(value: Any) -> str:
+    """A header's value as JSON, cut short (a number may have 4,000 digits)."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _counts(values: Sequence[Any]) -> bool:
+    """Whether every value is an int from 0 to 2**63 - 1 (JSON's integers; not a bool, not a float). The
+    reference reader takes up to 2**64 - 1, but no tensor library holds a dimension past 2**63 (NumPy's intp,
+    torch's int64), nor a file an offset."""
     for x in values:  # noqa: SIM110 - a loop is twice as fast as all() over a generator (twice per tensor)
-        if type(x) is not int or not 0 <= x < _U64:
+        if type(x) is not int or not 0 <= x < MAX_COUNT:
             return False
     return True
 

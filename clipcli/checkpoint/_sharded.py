@@ -37,7 +37,10 @@ def open_index(
         raise MalformedError("the index has no 'weight_map' of tensor names to shard files", path)
     if not weight_map:
         raise MalformedError("the index's 'weight_map' names no tensors", path)
-    shards = list(dict.fromkeys(weight_map.values()))
+    names: dict[str, list[str]] = {}  # each shard's tensors, grouped once (an index may name 10,000 shards)
+    for name, shard in weight_map.items():
+        names.setdefault(shard, []).append(name)
+    shards = list(names)
     for shard in shards:
         if not shard.strip():
             raise MalformedError("the index maps a tensor to an empty shard name", path)
@@ -55,7 +58,7 @@ def open_index(
         for t in shard_tensors:
             if weight_map.get(t.name) != shard:
                 raise MalformedError(f"the index does not map this tensor to {shard}", shard_path, t.name)
-        missing = sorted({n for n, s in weight_map.items() if s == shard} - {t.name for t in shard_tensors})
+        missing = sorted(set(names[shard]) - {t.name for t in shard_tensors})
         if missing:
             raise MalformedError(f"tensor {missing[0]} named by the index is not in {shard}", path)
         tensors.extend(shard_tensors)

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import LEGACY_TORCH_MAGIC, Piece, Pieces, Span, sniff, zip_data_start
+from clipcli.checkpoint._files import LEGACY_TORCH_MAGIC, Piece, Pieces, Span, check_elements, sniff, zip_data_start
 from clipcli.checkpoint._pickle import (
     MAX_DEPTH,
     PLAIN_GLOBALS,
@@ -1047,6 +1047,7 @@ def _dims(value: Any, what: str, name: str) -> tuple[int, ...]:
 def _describe(name: str, t: _Tensor, big_endian: bool) -> TorchTensor:
     """The tensor under its name, checked: its view lies inside its storage, and its storage in the file."""
     shape = _dims(t.shape, "shape", name)
+    check_elements(shape, name)  # before anything counts or prints them (a meta tensor's too)
     storage = t.storage
     dtype = t.dtype if t.dtype is not None or not isinstance(storage, _Storage) else storage.dtype
     dtype_name = dtype.name if dtype is not None else "unknown"
@@ -1065,8 +1066,6 @@ def _describe(name: str, t: _Tensor, big_endian: bool) -> TorchTensor:
     if type(t.offset) is not int or not 0 <= t.offset < _MAX_INDEX:
         raise MalformedError("the storage offset is not a non-negative integer", tensor=name)
     itemsize = dtype.itemsize
-    if math.prod(shape) >= _MAX_INDEX:
-        raise MalformedError(f"the shape {shape} holds more than 2**63 elements", tensor=name)
     if math.prod(shape):
         last = t.offset + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
         if (last + 1) * itemsize > storage.nbytes:

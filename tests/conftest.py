@@ -369,6 +369,7 @@ def torch_legacy(path: Path, obj_pkl: bytes, storages: dict[str, bytes] | None =
     parts += [obj_pkl, pickle.dumps(list(storages or {}), protocol)]
     parts += [struct.pack("<q", len(data) // 4) + data for data in (storages or {}).values()]
     path.write_bytes(b"".join(parts))
+    return path
 
 
 def npy_header(shape: object, descr: str = "<f4", fortran: bool = False) -> bytes:

@@ -381,7 +381,7 @@ def npy_header(shape: object, descr: str = "<f4", fortran: bool = False) -> byte
 
 
 def zeros_npz(path: Path, nbytes: int, method: int, name: str = "a.npy") -> Path:
-    """An .npz of one float32 member of `nbytes` zero bytes compressed by `method` (bzip2 or LZMA: a bomb).
+    """An .npz of one float32 member of `nbytes` zero bytes compressed by `method` (deflate; bzip2 or LZMA: a bomb).
 
     Compressed here, LZMA at its fastest preset, and put in the zip as stored bytes whose method, CRC-32 and
     size are then set in both headers (zipfile would compress at its own, slow, preset)."""
@@ -392,8 +392,11 @@ def zeros_npz(path: Path, nbytes: int, method: int, name: str = "a.npy") -> Path
 
     head = npy_header((nbytes // 4,))
     lzma1 = {"id": lzma.FILTER_LZMA1, "preset": 0, "dict_size": 1 << 20, "lc": 3, "lp": 0, "pb": 2}
-    if method == zipfile.ZIP_BZIP2:
-        compressor: Any = bz2.BZ2Compressor(9)
+    if method == zipfile.ZIP_DEFLATED:
+        compressor: Any = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate, as zip holds it
+        prefix = b""
+    elif method == zipfile.ZIP_BZIP2:
+        compressor = bz2.BZ2Compressor(9)
         prefix = b""
     else:
         compressor = lzma.LZMACompressor(lzma.FORMAT_RAW, filters=[lzma1])

@@ -561,12 +561,7 @@ ONLY: dict[str, tuple[str, ...]] = {
 }
 
 # Defects found by this sweep, kept visible (strict: once fixed the case passes, and its marker must go)
-DEFECTS: dict[tuple[str, str], str] = {
-    ("bzip2_8_gib", "global-norm"): (
-        "issue 22 item 8 / Done when: a 6.2 KB .npz (one bzip2 member of 8 GiB of zeros) is decompressed in "
-        "bounded memory (56 MB) but whole: global-norm runs 35 s (2 cores), exit 0; killed here at 10 s"
-    ),
-}
+DEFECTS: dict[tuple[str, str], str] = {}  # (file, command): what is wrong, for a defect found and not yet fixed
 
 
 def _cases():

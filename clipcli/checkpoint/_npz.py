@@ -22,6 +22,10 @@ from clipcli.checkpoint._files import Span, StoredCrc, ZipMember, read_head, sni
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
 
 MAX_LZMA_DICTIONARY = 64 << 20  # 7-Zip's "ultra" setting; Python's zipfile writes 8 MiB
+# The most a compressed member may expand: deflate's own limit (a 258-byte match costs it at least 2 bits),
+# plus room for a small member's headers. bzip2 and LZMA go far beyond it (6 KB of bzip2 hold 8 GiB of zeros),
+# and every byte would be decompressed to read the member: a file may not cost more than its bytes justify.
+MAX_RATIO, RATIO_SLACK = 1032, 1 << 16
 _METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 # What a damaged zip member raises while it is decompressed (bzip2 reports bad data as OSError).
 DATA_ERRORS = (zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError)
@@ -85,6 +89,12 @@ def _member_tensor(path: Path, z: zipfile.ZipFile, raw: BinaryIO, member: zipfil
     if member.compress_type not in _METHODS:
         raise UnsupportedError(f"zip compression method {member.compress_type} is not one Python's zipfile reads")
     stored = member.compress_type == zipfile.ZIP_STORED
+    if not stored and member.file_size > MAX_RATIO * member.compress_size + RATIO_SLACK:
+        raise UnsupportedError(
+            f"the member {member.filename!r} declares {member.file_size:,} bytes from {member.compress_size:,} "
+            f"compressed, more than deflate can expand ({MAX_RATIO}:1): refused as a decompression bomb "
+            "(store it, or compress it with deflate)"
+        )
     start = _data_start(raw, member)
     with contextlib.ExitStack() as stack:
         if stored:  # read in place, past the local header: no decompressor to set up

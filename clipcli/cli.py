@@ -276,7 +276,10 @@ def _errors(debug: bool) -> Iterator[None]:
     """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70)."""
     try:
         _import_commands()
+        _lost_reports.clear()
         yield
+        if _lost_reports:  # no gate failed: the lost report is the outcome
+            raise _lost_reports.pop()
     except KeyboardInterrupt:
         _stopped(ExitStatus.INTERRUPTED)
     except Terminated:
@@ -439,6 +442,9 @@ def _write(text: str, for_programs: bool) -> None:
     sys.stdout.flush()
 
 
+_lost_reports: list[Exception] = []  # a report `_emit` could not write, raised once the command's gates passed
+
+
 def _emit(
     command: str,
     p: float,
@@ -464,15 +470,16 @@ def _emit(
         text = render.render_text(rep, getattr(sys.stdout, "encoding", None) or "utf-8")
     try:
         _write(text, for_programs)
-    except BrokenPipeError:
-        raise
-    except OSError as e:  # a full disk under `> norms.json`: the report, not the checkpoint, is lost
+    except OSError as e:  # a full disk under `> norms.json`, a reader gone: the report, not the checkpoint, is lost
         from clipcli.errors import WriteError
 
         with contextlib.suppress(OSError, AttributeError):  # what stays buffered must not fail again at exit (120)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-        raise WriteError(f"cannot write the report: {e.strerror or e}", "standard output") from e
+        # The command's gates still decide first (a CI job must see a failed gate, `... --fail-above 1 | head`
+        # too); `_errors` then says the report was lost.
+        lost = WriteError(f"cannot write the report: {e.strerror or e}", "standard output")
+        lost.__cause__ = e
+        _lost_reports.append(e if isinstance(e, BrokenPipeError) else lost)
 
 
 def _jobs(jobs: int | None) -> int:

@@ -138,6 +138,26 @@ def test_a_closed_stdout_is_exit_4_not_an_internal_error(grads, tmp_path, fmt):
     assert clip.returncode == 4 and out.exists(), clip.stderr
 
 
+def test_a_failed_gate_is_exit_1_even_when_the_report_is_lost(grads):
+    # a review found `clipcli global-norm f --fail-above 100 | true` exit 0 with no reason (the broken pipe
+    # ended the command before its gate), and `>&-` exit 4: the gate decides first, its reason on stderr
+    gate = [sys.executable, "-m", "clipcli", "global-norm", str(grads), "--fail-above", "100"]
+    reason = f"clipcli: error: {grads}: global norm 145.37555051140208 exceeds --fail-above 100\n"
+    closed = [sys.executable, "-c", "import os, sys; os.close(1); os.execv(sys.executable, sys.argv[1:])"]
+    done = subprocess.run([*closed, *gate], stderr=subprocess.PIPE, text=True, env=ENV)
+    assert (done.returncode, one_error_line(done.stderr)) == (1, reason)
+    r, w = os.pipe()
+    os.close(r)  # a reader gone before the report is written: EPIPE
+    done = subprocess.run(gate, stdout=w, stderr=subprocess.PIPE, text=True, env=ENV)
+    os.close(w)
+    assert (done.returncode, one_error_line(done.stderr)) == (1, reason)
+    r, w = os.pipe()
+    os.close(r)
+    done = subprocess.run(gate[:-2], stdout=w, stderr=subprocess.PIPE, text=True, env=ENV)  # no gate: `| head`
+    os.close(w)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 def test_a_full_stdout_is_exit_4(grads):
     # issue 22 item 14: stdout on /dev/full
     if not os.path.exists("/dev/full"):
@@ -341,6 +361,33 @@ def test_an_unreadable_file_shard_or_directory_is_exit_3_naming_it(grads, tmp_pa
         locked.chmod(0o755)
 
 
+def test_an_output_in_a_directory_that_cannot_be_searched_is_exit_4(grads, tmp_path):
+    # a review found exit 70 (Path.is_dir raised PermissionError in the checks before writing), for -o, a
+    # directory of shards and --report alike
+    if os.geteuid() == 0:
+        try:
+            subprocess.run(["true"], preexec_fn=_without_root_s_read_override, check=True)
+        except (OSError, subprocess.SubprocessError):
+            pytest.skip("cannot drop root's capability to read any file")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    try:
+        cases = [
+            ["clip-global-norm", grads, "-o", locked / "x.safetensors", "--clip-norm", "1"],
+            ["convert", ROOT / "samples" / "sharded", "-o", f"{locked}/"],
+            ["clip-global-norm", grads, "-o", tmp_path / "ok.safetensors", "--clip-norm", "1", "--report",
+             locked / "r.json"],
+        ]  # fmt: skip
+        for args in cases:
+            done = _unprivileged(*args)
+            assert done.returncode == 4, (args, done.stderr)
+            assert one_error_line(done.stderr).endswith("cannot write there: Permission denied\n"), done.stderr
+        assert not (tmp_path / "ok.safetensors").exists()
+    finally:
+        locked.chmod(0o755)
+
+
 # --- 18, 19: usage errors of one line; --report - -------------------------------------------------------
 
 
@@ -386,6 +433,19 @@ def test_an_empty_path_is_a_usage_error_not_the_current_directory(tmp_path, grad
     for args in (["inspect", ""], ["global-norm", grads, ""], ["diff", "", grads], ["convert", "", "-o", "x.npz"]):
         done = clipcli(*args)
         assert done.returncode == 2 and "an empty path names no file" in done.stderr, args
+    # a review found `-o ''` taken for the current directory: a sharded clip replaced the shards there, exit 0
+    shards = tmp_path / "here"
+    shutil.copytree(ROOT / "samples" / "sharded", shards)
+    before = {p.name: p.read_bytes() for p in shards.iterdir()}
+    monkeypatch.chdir(shards)
+    for args in (
+        ["clip-global-norm", ROOT / "samples" / "sharded", "-o", "", "--clip-norm", "1"],
+        ["convert", ROOT / "samples" / "sharded", "-o", ""],
+        ["clip-value", grads, "-o", "", "--min", "-1", "--max", "1"],
+    ):
+        done = clipcli(*args)
+        assert done.returncode == 2 and "an empty path names no file" in done.stderr, args
+    assert {p.name: p.read_bytes() for p in shards.iterdir()} == before
 
 
 def test_max_shard_size_errors_name_the_option(grads, tmp_path):

@@ -495,7 +495,7 @@ def _open(path: Path) -> Checkpoint:
         if kind not in _FILE_FORMATS:
             raise FileTypeError(
                 "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "
-                f".pth, .bin, .ckpt or pytorch_model.bin.index.json, or a directory); the file looks like "
+                f".pth, .bin, .ckpt or pytorch_model.bin.index.json, or a directory); the file is "
                 f"{sniff(read_head(path))}",
                 path,
             )
@@ -568,6 +568,8 @@ def check_output(
     )
     if raw == "-":
         raise UsageError(f"clipcli writes files, not standard output; {hint}", raw, param)
+    if not raw:  # Path("") is the current directory, which a sharded output would fill
+        raise UsageError(f"an empty path names no file; {hint}", None, param)
     kind = output_kind(out)
     if kind not in (*_WRITABLE, "index", "directory") or (
         out == source.path and (source.format == "distcp" or (source.format == "sharded-torch" and not resharding))
@@ -596,6 +598,11 @@ def check_report(text: str | os.PathLike[str], source: Checkpoint, output: Path 
         WriteError: when writing the report there would replace a checkpoint, or its directory is missing or
             not writable.
     """
+    with _unreachable_as_write_error(text):
+        return _checked_report(text, source, output)
+
+
+def _checked_report(text: str | os.PathLike[str], source: Checkpoint, output: Path | None) -> Path:
     report = resolve_target(Path(text))
     taken = {resolve_target(f) for f in [*source.files, source.path, source.index_path] if f is not None}
     if output is not None:
@@ -740,6 +747,27 @@ def check_plan(
         UsageError, UnsupportedError: as `plan`; WriteError: for an output that is an input, a directory, or
             in a directory that is missing (and not made by the write) or not writable.
     """
+    with _unreachable_as_write_error(out):
+        return _checked_plan(source, out, in_place, tensors, max_shard)
+
+
+@contextlib.contextmanager
+def _unreachable_as_write_error(target: str | os.PathLike[str]) -> Iterator[None]:
+    """A place the checks cannot look into (a directory without search permission: `is_dir` raises) is a
+    write that would fail there (exit 4), not a bug."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(f"cannot write there: {e.strerror or e}", e.filename or target) from e
+
+
+def _checked_plan(
+    source: Checkpoint,
+    out: str | os.PathLike[str],
+    in_place: bool | None,
+    tensors: list[TensorInfo] | None,
+    max_shard: int | None,
+) -> Plan:
     layout = plan(source, out, tensors, max_shard)
     _refuse_overwrite(source, layout, in_place)
     if layout.directory is not None and layout.directory.is_symlink() and not layout.directory.exists():
@@ -933,7 +961,7 @@ def _check_format(target: Path, tensors: list[TensorInfo]) -> None:
     for t in tensors:
         if t.skip is not None:
             hint = f"clipcli convert with --exclude {shlex.quote(t.name)} writes the other tensors"
-            raise UnsupportedError(f"a {t.skip} has no values clipcli can write; {hint}", target, t.name)
+            raise UnsupportedError(f"clipcli cannot write this tensor's values: {t.skip}; {hint}", target, t.name)
         try:
             if kind == "safetensors":
                 _safetensors.dtype_of(t)

@@ -50,11 +50,11 @@ def _dtypes() -> dict[str, Dtype]:
         ("F8_E5M2", np.dtype(ml_dtypes.float8_e5m2)),
         ("F8_E4M3FNUZ", np.dtype(ml_dtypes.float8_e4m3fnuz)),
         ("F8_E5M2FNUZ", np.dtype(ml_dtypes.float8_e5m2fnuz)),
+        ("F8_E8M0", np.dtype(ml_dtypes.float8_e8m0fnu)),  # the scale type: read as a PyTorch file's is
     ]
     out = {code: Dtype(code, dt.name, dt.itemsize * 8, dt) for code, dt in table}
-    # Newer types with no arithmetic here (a scale type and packed sub-byte floats): carried as bytes.
+    # Newer types with no arithmetic here (packed sub-byte floats): carried as bytes.
     for code, name, bits in [
-        ("F8_E8M0", "float8_e8m0fnu", 8),
         ("F6_E2M3", "float6_e2m3fn", 6),
         ("F6_E3M2", "float6_e3m2fn", 6),
         ("F4", "float4_e2m1fn", 4),
@@ -65,8 +65,6 @@ def _dtypes() -> dict[str, Dtype]:
 
 DTYPES = _dtypes()
 BY_ARRAY_DTYPE = {d.array: d for d in DTYPES.values() if d.array is not None}
-# Types carried as bytes that an array of ml_dtypes holds byte for byte (float8_e8m0fnu from a PyTorch file)
-_BYTE_TYPES = {d.name: d for d in DTYPES.values() if d.array is None and d.bits == 8}
 
 
 # One tensor of a header: (start, nbytes, name, dtype, shape), its data at `start` (absolute) for `nbytes`
@@ -328,7 +326,7 @@ def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], met
 def dtype_for(array_dtype: np.dtype) -> Dtype:
     """The safetensors dtype of a NumPy / ml_dtypes array type."""
     native = np.dtype(array_dtype).newbyteorder("=")
-    d = BY_ARRAY_DTYPE.get(native) or _BYTE_TYPES.get(native.name)
+    d = BY_ARRAY_DTYPE.get(native)
     if d is None:
         raise UnsupportedError(f"safetensors has no dtype for {np.dtype(array_dtype).name}")
     return d

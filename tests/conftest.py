@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import pickle
 import struct
@@ -417,4 +418,31 @@ def zeros_npz(path: Path, nbytes: int, method: int, name: str = "a.npy") -> Path
         struct.pack_into("<I", data, crc_at, crc)
         struct.pack_into("<I", data, size_at, len(head) + nbytes)
     path.write_bytes(bytes(data))
+    return path
+
+
+def dcp_two_regions(half: int, bump: bool = False) -> tuple[tuple[int, ...], list]:
+    """Chunks of a (2,) * (2 * half + 1) tensor splitting every dimension: where the first index is 0, unit
+    steps in the next `half` dimensions; where it is 1, in the last `half`. `bump`: one chunk moved onto
+    its neighbour (an overlap and a hole)."""
+    chunks = []
+    for bits in itertools.product((0, 1), repeat=half):
+        chunks.append(((0, *bits) + (0,) * half, np.ones((1,) * (1 + half) + (2,) * half, np.float32)))
+    for bits in itertools.product((0, 1), repeat=half):
+        chunks.append(((1,) + (0,) * half + bits, np.ones((1,) + (2,) * half + (1,) * half, np.float32)))
+    if bump:
+        offsets, values = chunks[-1]
+        chunks[-1] = ((*offsets[:-1], 0), values)
+    return (2,) * (2 * half + 1), chunks
+
+
+def torchscript_jit(d: Path) -> Path:
+    """A TorchScript archive (torch.jit.save's records: data.pkl not first, code/, constants.pkl) named .jit."""
+    path = d / "model.jit"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("model/data/0", struct.pack("<f", 1.0) * 4)
+        z.writestr("model/data.pkl", b"\x80\x02c__torch__\nLinear\nq\x00)\x81}b.")
+        z.writestr("model/code/__torch__/linear.py", "def forward(self, x): ...", zipfile.ZIP_DEFLATED)
+        z.writestr("model/constants.pkl", pickle.dumps((), 2))
+        z.writestr("model/version", "8\n")
     return path

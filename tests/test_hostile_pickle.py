@@ -19,7 +19,7 @@ from clipcli.checkpoint import open_checkpoint
 from clipcli.checkpoint._files import file_format, sniff
 from clipcli.checkpoint._torch import read_torch
 from clipcli.errors import MalformedError, UnsupportedError
-from tests.conftest import run_bounded, torch_legacy, torch_tensor_pickle, torch_zip_file
+from tests.conftest import run_bounded, torch_legacy, torch_tensor_pickle, torch_zip_file, torchscript_jit
 
 DATA = Path(__file__).parent / "data"
 ONE = struct.pack("<f", 1.0) * 4  # the bytes of a 4-element float32 storage of ones
@@ -255,13 +255,7 @@ def test_types_nothing_holds_are_listed_with_their_reason(tmp_path: Path) -> Non
 
 def test_torchscript_under_an_unknown_suffix_is_refused_as_torchscript(tmp_path: Path) -> None:
     # issue 22 item 21: a .jit whose first record is not data.pkl was read as an .npz (126 byte tensors)
-    path = tmp_path / "model.jit"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("model/data/0", ONE)
-        z.writestr("model/data.pkl", b"\x80\x02c__torch__\nLinear\nq\x00)\x81}b.")
-        z.writestr("model/code/__torch__/linear.py", "def forward(self, x): ...", zipfile.ZIP_DEFLATED)
-        z.writestr("model/constants.pkl", pickle.dumps((), 2))
-        z.writestr("model/version", "8\n")
+    path = torchscript_jit(tmp_path)
     assert file_format(path) == "torch"
     r = run_bounded("inspect", path)
     assert refused(r, "a TorchScript archive written by torch.jit.save"), r

@@ -28,6 +28,7 @@ import pytest
 from tests.conftest import (
     dcp_checkpoint,
     dcp_metadata,
+    dcp_two_regions,
     npy_header,
     raw_safetensors,
     run_bounded,
@@ -37,6 +38,7 @@ from tests.conftest import (
     torch_view,
     torch_zip,
     torch_zip_file,
+    torchscript_jit,
     zeros_npz,
 )
 
@@ -314,22 +316,6 @@ def meta_huge_count(d: Path) -> Path:
     return torch_zip_file(d / "meta.pt", b"\x80\x02}X\x01\x00\x00\x00w" + meta + b"t\x89tRs.")
 
 
-def _two_regions(half: int, bump: bool = False) -> tuple[tuple[int, ...], list]:
-    """A (2,) * (2 * half + 1) tensor in 2**(half + 1) chunks splitting every dimension (test_hostile_views);
-    `bump`: one chunk moved onto its neighbour (an overlap and a hole)."""
-    import itertools
-
-    chunks = []
-    for bits in itertools.product((0, 1), repeat=half):
-        chunks.append(((0, *bits) + (0,) * half, np.ones((1,) * (1 + half) + (2,) * half, np.float32)))
-    for bits in itertools.product((0, 1), repeat=half):
-        chunks.append(((1,) + (0,) * half + bits, np.ones((1,) + (2,) * half + (1,) * half, np.float32)))
-    if bump:
-        offsets, values = chunks[-1]
-        chunks[-1] = ((*offsets[:-1], 0), values)
-    return (2,) * (2 * half + 1), chunks
-
-
 def _small_dcp(d: Path, tensors: dict) -> Path:
     ckpt = dcp_checkpoint(d / "dcp", tensors)
     metadata = ckpt / ".metadata"
@@ -338,11 +324,11 @@ def _small_dcp(d: Path, tensors: dict) -> Path:
 
 
 def dcp_many_chunks(d: Path) -> Path:
-    return _small_dcp(d, {"t": _two_regions(4)})  # item 7: 32 chunks splitting 9 dimensions
+    return _small_dcp(d, {"t": dcp_two_regions(4)})  # item 7: 32 chunks splitting 9 dimensions
 
 
 def dcp_overlap(d: Path) -> Path:
-    return _small_dcp(d, {"t": _two_regions(4, bump=True)})  # item 7: the same, one chunk overlapping
+    return _small_dcp(d, {"t": dcp_two_regions(4, bump=True)})  # item 7: the same, one chunk overlapping
 
 
 def dcp_row_chunks(d: Path) -> Path:
@@ -364,17 +350,6 @@ def dcp_item_fan_out(d: Path) -> Path:
     storage.update({(f"i{k}", None): ("__0_0.distcp", len(tensor), len(item)) for k in range(51)})
     (d / ".metadata").write_bytes(memoized(dcp_metadata({"w": ("float32", (2,), [((0,), (2,))])}, storage)))
     return d
-
-
-def torchscript_jit(d: Path) -> Path:
-    path = d / "model.jit"  # item 21: a TorchScript archive under an unknown suffix
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("model/data/0", ONE)
-        z.writestr("model/data.pkl", b"\x80\x02c__torch__\nLinear\nq\x00)\x81}b.")
-        z.writestr("model/code/__torch__/linear.py", "def forward(self, x): ...", zipfile.ZIP_DEFLATED)
-        z.writestr("model/constants.pkl", pickle.dumps((), 2))
-        z.writestr("model/version", "8\n")
-    return path
 
 
 def tar_format(d: Path) -> Path:

@@ -18,7 +18,7 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from clipcli.checkpoint._files import Piece, Pieces
 from clipcli.cli import app
 from clipcli.errors import UnsupportedError
-from tests.conftest import dcp_checkpoint, run_bounded, torch_view, torch_zip
+from tests.conftest import dcp_checkpoint, dcp_two_regions, run_bounded, torch_view, torch_zip
 
 
 def cli(*args: object) -> tuple[int, str, str]:
@@ -182,30 +182,15 @@ def test_strided_pieces_stream_right(tmp_path_factory, shape, data):
 # -- item 7: distributed checkpoints of many chunks ------------------------------------------------------
 
 
-def _two_regions(half: int, bump: bool = False) -> tuple[tuple[int, ...], list]:
-    """Chunks of a (2,) * (2 * half + 1) tensor splitting every dimension: where the first index is 0, unit
-    steps in the next `half` dimensions; where it is 1, in the last `half`. `bump`: one chunk moved onto
-    its neighbour (an overlap and a hole)."""
-    chunks = []
-    for bits in itertools.product((0, 1), repeat=half):
-        chunks.append(((0, *bits) + (0,) * half, np.ones((1,) * (1 + half) + (2,) * half, np.float32)))
-    for bits in itertools.product((0, 1), repeat=half):
-        chunks.append(((1,) + (0,) * half + bits, np.ones((1,) + (2,) * half + (1,) * half, np.float32)))
-    if bump:
-        offsets, values = chunks[-1]
-        chunks[-1] = ((*offsets[:-1], 0), values)
-    return (2,) * (2 * half + 1), chunks
-
-
 def test_a_layout_splitting_many_dimensions_is_checked_quickly(tmp_path):
     # issue 22 item 7: the tiling check walked 2**k corners a chunk (256 chunks, 15 dimensions: 48 s)
-    shape, chunks = _two_regions(7)
+    shape, chunks = dcp_two_regions(7)
     ckpt = dcp_checkpoint(tmp_path / "dcp", {"t": (shape, chunks)})
     r = run_bounded("global-norm", ckpt, "--format", "json", seconds=20, memory_mb=1000)
     assert r.returncode == 0, r
     assert json.loads(r.stdout)["checkpoints"][0]["global_norm"] == math.sqrt(2**15)
     assert r.seconds < 10, r
-    shape, chunks = _two_regions(7, bump=True)
+    shape, chunks = dcp_two_regions(7, bump=True)
     ckpt = dcp_checkpoint(tmp_path / "bumped", {"t": (shape, chunks)})
     r = run_bounded("global-norm", ckpt, seconds=20, memory_mb=1000)
     assert r.returncode == 3, r

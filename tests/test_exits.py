@@ -318,6 +318,15 @@ def _without_root_s_read_override() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
+def _skip_unless_permissions_bind() -> None:
+    """Skips a test of permission bits where they bind no one: root that cannot drop its override."""
+    if os.geteuid() == 0:
+        try:
+            subprocess.run(["true"], preexec_fn=_without_root_s_read_override, check=True)
+        except (OSError, subprocess.SubprocessError):
+            pytest.skip("cannot drop root's capability to read any file")
+
+
 def _unprivileged(*args: object) -> subprocess.CompletedProcess:
     preexec = _without_root_s_read_override if os.geteuid() == 0 else None
     return subprocess.run([sys.executable, "-m", "clipcli", *map(str, args)], capture_output=True, text=True,
@@ -327,11 +336,7 @@ def _unprivileged(*args: object) -> subprocess.CompletedProcess:
 def test_an_unreadable_file_shard_or_directory_is_exit_3_naming_it(grads, tmp_path):
     # issue 22 item 17: exit 2 with Click's four-line usage error ("Path ... is not readable"); now exit 3,
     # one line naming the file, the shard or the directory that cannot be read
-    if os.geteuid() == 0:
-        try:
-            subprocess.run(["true"], preexec_fn=_without_root_s_read_override, check=True)
-        except (OSError, subprocess.SubprocessError):
-            pytest.skip("cannot drop root's capability to read any file")
+    _skip_unless_permissions_bind()
     closed = tmp_path / "closed.safetensors"
     shutil.copy(grads, closed)
     closed.chmod(0)
@@ -364,11 +369,7 @@ def test_an_unreadable_file_shard_or_directory_is_exit_3_naming_it(grads, tmp_pa
 def test_an_output_in_a_directory_that_cannot_be_searched_is_exit_4(grads, tmp_path):
     # a review found exit 70 (Path.is_dir raised PermissionError in the checks before writing), for -o, a
     # directory of shards and --report alike
-    if os.geteuid() == 0:
-        try:
-            subprocess.run(["true"], preexec_fn=_without_root_s_read_override, check=True)
-        except (OSError, subprocess.SubprocessError):
-            pytest.skip("cannot drop root's capability to read any file")
+    _skip_unless_permissions_bind()
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0)

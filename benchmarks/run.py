@@ -5,6 +5,8 @@
     python benchmarks/run.py --jobs 1,2,4,8,16     # the scaling tables, one per --jobs
     python benchmarks/run.py --only scaling,tiny   # some sections: scaling, baselines, diff, torch, distcp,
                                                    # workers, tiny, help, memory
+    python benchmarks/run.py --clipcli "env PYTHONPATH=. python -m clipcli" \
+        --versus "env PYTHONPATH=../before python -m clipcli"   # this tree against another, row by row
 
 Prints, for each comparison, the median wall time of each side over --reps alternating pairs, the ratio of
 the medians, and each side's peak memory: the largest sum of PSS (proportional set size: a page shared by
@@ -153,8 +155,19 @@ def peak_memory(command: str) -> float:
     return peak / 1024
 
 
+# How to run clipcli (--clipcli), and the other clipcli that --versus puts in every baseline's place.
+CLIPCLI = {"ours": "clipcli", "versus": ""}
+
+
 def compare(label: str, ours: str, baseline: str, reps: int, cleanup: str = "", memory: bool = True) -> dict:
-    """Alternating pairs: baseline, ours, baseline, ours, ... Medians and their ratio."""
+    """Alternating pairs: baseline, ours, baseline, ours, ... Medians and their ratio. With --versus, the
+    baseline is the same command run by the other clipcli (`ours` always starts with `clipcli `)."""
+    command = ours.removeprefix("clipcli ")
+    ours = f"{CLIPCLI['ours']} {command}"
+    if CLIPCLI["versus"]:
+        baseline = f"{CLIPCLI['versus']} {command}"
+    elif baseline.startswith("clipcli "):
+        baseline = f"{CLIPCLI['ours']} {baseline.removeprefix('clipcli ')}"
     a_times, b_times = [], []
     measure(baseline)  # warm the page cache and the interpreter's files
     measure(ours)
@@ -241,7 +254,10 @@ def main() -> None:
     parser.add_argument("--jobs", default="", help="comma-separated --jobs for the scaling tables (default: cores)")
     parser.add_argument("--only", default="", help="comma-separated sections")
     parser.add_argument("--torch-python", default=os.environ.get("TORCH_PYTHON", ""), help="a Python with torch")
+    parser.add_argument("--clipcli", default="clipcli", help="how to run clipcli (e.g. 'python -m clipcli')")
+    parser.add_argument("--versus", default="", help="another clipcli command: every row times it as the baseline")
     args = parser.parse_args()
+    CLIPCLI.update(ours=args.clipcli, versus=args.versus)
     gib, reps = args.gib, args.reps
     everything = {"scaling", "baselines", "diff", "torch", "distcp", "workers", "tiny", "help"}
     sections = set(filter(None, args.only.split(","))) or everything
@@ -257,6 +273,8 @@ def main() -> None:
         f"Python {platform.python_version()}, medians of {reps} alternating pairs\n",
         flush=True,
     )
+    if args.versus:
+        print(f"Every baseline below is the row's own clipcli command run by `{args.versus}`.\n", flush=True)
 
     if "scaling" in sections:
         b32 = ensure(f"f32-{tag}-b.safetensors", gib, "float32", perturb=1e-3)

@@ -205,9 +205,9 @@ def test_a_stop_python_swallows_prints_no_exception_ignored(grads, tmp_path, sig
     # ignored in: <function _get_module_lock.<locals>.cb>" and a traceback before "clipcli: terminated"
     code = (
         "import os, sys\n"
-        "from clipcli import errors\n"
+        "from clipcli import _stops\n"
         "class Stop:\n"
-        f"    def __del__(self): errors.stop({int(sig)})  # raised where Python swallows it\n"
+        f"    def __del__(self): _stops.stop({int(sig)})  # raised where Python swallows it\n"
         "real = os.fsync\n"
         "def fsync(fd):\n"
         "    Stop()\n"

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from clipcli import commands, core
 from clipcli.checkpoint import _engine, open_checkpoint
 from clipcli.cli import app
-from tests.conftest import st_bytes
+from tests.helpers import st_bytes
 
 ENV = {"NO_COLOR": "1", "COLUMNS": "100", "TERMINAL_WIDTH": "100"}
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.test_cli import ENV, SAMPLES, js, ok, run, write_st
+from tests.helpers import ENV, SAMPLES, js, ok, run, write_st
 
 
 def digest(path: Path) -> str:

@@ -22,7 +22,7 @@ import pytest
 from safetensors import safe_open
 
 from clipcli import core
-from tests.test_cli import ENV, SAMPLES, WIDE, fnorm, js, ok, reference, run, write_st
+from tests.helpers import ENV, SAMPLES, WIDE, fnorm, js, ok, reference, run, write_st
 
 NUMPY_DATA = Path(np.__file__).parent / "lib" / "tests" / "data"
 

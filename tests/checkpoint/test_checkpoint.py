@@ -19,7 +19,7 @@ from safetensors import safe_open
 from clipcli.checkpoint import Checkpoint, _safetensors, open_checkpoint, save
 from clipcli.core import NormAccumulator
 from clipcli.errors import FileTypeError, MalformedError, MissingFileError, UnsupportedError, UsageError, WriteError
-from tests.conftest import first_tensor_norm_and_peak, raw_safetensors, st_bytes, st_read
+from tests.helpers import first_tensor_norm_and_peak, raw_safetensors, st_bytes, st_read
 
 ST_DTYPES = [
     np.bool_,
@@ -962,7 +962,7 @@ def test_metadata_of_every_shard_is_kept(tmp_path):
 
 def test_an_npz_directory_entry_pointing_at_another_member_is_refused(tmp_path):
     # an entry pointing at another member's local header: that member's header and bytes, read as this one's
-    from tests.test_torch_format import redirect_member
+    from tests.helpers import redirect_member
 
     buf = io.BytesIO()
     np.savez(buf, x=np.arange(4.0), y=np.arange(4.0) * 2)

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.test_cli import js, ok, run
+from tests.helpers import DATA as TESTS_DATA
+from tests.helpers import js, ok, run
 
-DATA = Path(__file__).resolve().parent / "data" / "dcp"
+DATA = TESTS_DATA / "dcp"
 CHECKPOINTS = ["single", "sharded", "megatron", "megatron_mcore015"]
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import (
+from tests.helpers import (
+    DATA,
     dcp_checkpoint,
     dcp_metadata,
     dcp_two_regions,
@@ -42,7 +43,6 @@ from tests.conftest import (
     zeros_npz,
 )
 
-DATA = Path(__file__).parent / "data"
 ONE = struct.pack("<f", 1.0) * 4  # the bytes of a 4-element float32 storage of ones
 EVIL = "\x1b]0;owned\x07\x1b[2J\x9b31m"  # sets the window title, clears the screen; a C1 CSI too
 SECONDS = 10  # a pair still running then is killed: a failure

@@ -19,9 +19,8 @@ from clipcli.checkpoint import open_checkpoint
 from clipcli.checkpoint._files import file_format, sniff
 from clipcli.checkpoint._torch import read_torch
 from clipcli.errors import MalformedError, UnsupportedError
-from tests.conftest import run_bounded, torch_legacy, torch_tensor_pickle, torch_zip_file, torchscript_jit
+from tests.helpers import DATA, run_bounded, torch_legacy, torch_tensor_pickle, torch_zip_file, torchscript_jit
 
-DATA = Path(__file__).parent / "data"
 ONE = struct.pack("<f", 1.0) * 4  # the bytes of a 4-element float32 storage of ones
 
 # T(k+1) = (Tk, Tk), 60 levels through DUP: 2**60 tuples for hash() to walk, from 2 bytes a level

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from fractions import Fraction
@@ -17,72 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from typer.testing import CliRunner
 
 from clipcli import commands, core, report
 from clipcli.checkpoint import open_checkpoint
-from clipcli.cli import app
-from tests.conftest import st_bytes, st_read
-
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "samples"
-GOLDEN = Path(__file__).resolve().parent / "golden"
-ENV = {"NO_COLOR": "1", "COLUMNS": "100", "TERMINAL_WIDTH": "100"}
-NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64, "F64": np.float64}
-
-
-WIDE = {"NO_COLOR": "1", "COLUMNS": None, "TERMINAL_WIDTH": None}  # not a terminal, no width: no folding
-
-
-def run(*args: object, env=None):
-    result = CliRunner().invoke(app, [str(a) for a in args], env=env or ENV)
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result
-
-
-def ok(*args: object):
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def js(*args: object) -> dict:
-    return json.loads(ok(*args, "--format", "json").stdout)
-
-
-def reference(path: Path) -> dict[str, np.ndarray]:
-    """The tensors as the safetensors library reads them (bf16 bytes viewed through ml_dtypes)."""
-    return {n: np.frombuffer(data, NP_DTYPES[dt]).reshape(shape) for n, (dt, shape, data) in st_read(path).items()}
-
-
-def fnorm(arrays, p=2.0) -> float:
-    """A float64 p-norm of all values (math.fsum: exact up to the final rounding for p = 2)."""
-    values = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
-    if math.isinf(p):
-        return float(np.abs(values).max())
-    if p == 2:
-        return math.sqrt(math.fsum(values * values))
-    return math.fsum(np.abs(values) ** p) ** (1 / p)
-
-
-@pytest.fixture
-def grads(tmp_path) -> Path:
-    path = tmp_path / "grads.safetensors"
-    shutil.copy(SAMPLES / "grads.safetensors", path)
-    return path
-
-
-@pytest.fixture
-def sharded(tmp_path) -> Path:
-    shutil.copytree(SAMPLES / "sharded", tmp_path / "sharded")
-    return tmp_path / "sharded"
-
-
-def write_st(path: Path, tensors: dict[str, np.ndarray], metadata=None) -> Path:
-    path.write_bytes(st_bytes(tensors, metadata))
-    return path
-
+from tests.helpers import GOLDEN, SAMPLES, WIDE, fnorm, js, ok, reference, run, st_bytes, write_st
 
 # --- global-norm ------------------------------------------------------------------------------------
 

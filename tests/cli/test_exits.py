@@ -23,9 +23,8 @@ from typer.testing import CliRunner
 
 from clipcli import report as render
 from clipcli.cli import app
-from tests.conftest import raw_safetensors, run_bounded, st_bytes
+from tests.helpers import ROOT, raw_safetensors, run_bounded, st_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "PYTHONPATH": str(ROOT)}
 EVIL = "\x1b]0;title\x07\x1b[2J"  # sets a terminal's window title, then clears its screen
 CONTROLS = "\x1b\x07\x9b"
@@ -35,13 +34,6 @@ def clipcli(*args: object, **kwargs: object) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "clipcli", *map(str, args)], capture_output=True, text=True, env=ENV, **kwargs
     )
-
-
-@pytest.fixture
-def grads(tmp_path: Path) -> Path:
-    path = tmp_path / "grads.safetensors"
-    shutil.copy(ROOT / "samples" / "grads.safetensors", path)
-    return path
 
 
 def one_error_line(stderr: str) -> str:

@@ -6,7 +6,6 @@ import json
 import shutil
 from decimal import Decimal, getcontext
 from fractions import Fraction
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from clipcli import core
 from clipcli.checkpoint import _engine, open_checkpoint
-from tests.test_cli import SAMPLES, js, ok, run, write_st
+from tests.helpers import DATA, SAMPLES, js, ok, run, write_st
 
 F32 = np.float32
 
@@ -187,7 +186,7 @@ def test_formats_and_layouts_compare_by_value(tmp_path):
 
 
 def test_a_pytorch_file_against_its_conversion(tmp_path):
-    source = Path(__file__).parent / "data" / "torch" / "grads.pt"
+    source = DATA / "torch" / "grads.pt"
     out = tmp_path / "grads.safetensors"
     ok("convert", source, "-o", out, "--quiet")
     assert run("diff", source, out, "--fail-different").exit_code == 0

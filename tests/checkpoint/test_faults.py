@@ -21,9 +21,8 @@ from typer.testing import CliRunner
 
 from clipcli.checkpoint import open_checkpoint
 from clipcli.cli import app
-from tests.conftest import st_bytes
+from tests.helpers import ROOT, st_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
 
 

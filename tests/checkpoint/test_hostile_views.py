@@ -18,7 +18,7 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from clipcli.checkpoint._files import Piece, Pieces
 from clipcli.cli import app
 from clipcli.errors import UnsupportedError
-from tests.conftest import dcp_checkpoint, dcp_two_regions, run_bounded, torch_view, torch_zip
+from tests.helpers import dcp_checkpoint, dcp_two_regions, run_bounded, torch_view, torch_zip
 
 
 def cli(*args: object) -> tuple[int, str, str]:

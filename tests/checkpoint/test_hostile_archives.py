@@ -17,7 +17,7 @@ import pytest
 import safetensors.numpy
 
 from clipcli.checkpoint import Checkpoint, TensorInfo, _sharded, open_checkpoint, plan, save
-from tests.conftest import npy_header, raw_safetensors, run_bounded, st_bytes, zeros_npz
+from tests.helpers import npy_header, raw_safetensors, run_bounded, st_bytes, zeros_npz
 
 
 def refused(r, *words: str) -> None:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from tests.test_cli import js, ok, run
+from tests.helpers import ROOT, js, ok, run
 
-DATA = Path(__file__).resolve().parent / "data" / "torch"
+DATA = ROOT / "tests" / "data" / "torch"
 CORPUS = sorted(p for p in DATA.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
 # what .safetensors cannot hold (complex128) and what has no values (skipped), left out of conversions
 NOT_CONVERTIBLE = {"cplx128"}

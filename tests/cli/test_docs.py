@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import ok
+from tests.helpers import ROOT, ok
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 COMMANDS = ["inspect", "global-norm", "diff", "convert", "clip-value", "clip-norm", "clip-global-norm"]
 _CONSOLE = re.compile(r"```console\n(.*?)```", re.S)

@@ -21,3 +21,11 @@ def grads(tmp_path) -> Path:
 def sharded(tmp_path) -> Path:
     shutil.copytree(SAMPLES / "sharded", tmp_path / "sharded")
     return tmp_path / "sharded"
+
+
+@pytest.fixture
+def steps(tmp_path) -> tuple[Path, Path]:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    shutil.copy(SAMPLES / "weights-step-1000.safetensors", a)
+    shutil.copy(SAMPLES / "weights-step-2000.safetensors", b)
+    return a, b

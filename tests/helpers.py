@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import json
@@ -453,6 +454,10 @@ def torchscript_jit(d: Path) -> Path:
         z.writestr("model/constants.pkl", pickle.dumps((), 2))
         z.writestr("model/version", "8\n")
     return path
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # -- the command line in-process and float64 references --------------------------------------------------

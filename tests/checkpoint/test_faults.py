@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from typer.testing import CliRunner
 
 from clipcli.checkpoint import open_checkpoint
 from clipcli.cli import app
-from tests.helpers import ROOT, st_bytes
+from tests.helpers import ROOT, digest, st_bytes
 
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
 
@@ -35,10 +34,6 @@ def clipcli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess:
         timeout=timeout,
         check=False,
     )
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def leftovers(directory: Path) -> list[str]:

@@ -16,10 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from clipcli import commands, core, report
 from clipcli.checkpoint import open_checkpoint
-from tests.helpers import GOLDEN, SAMPLES, WIDE, fnorm, js, ok, reference, run, st_bytes, write_st
+from tests.helpers import ENV, GOLDEN, SAMPLES, WIDE, digest, fnorm, js, ok, reference, run, st_bytes, write_st
 
 # --- global-norm ------------------------------------------------------------------------------------
 
@@ -76,6 +77,15 @@ def test_depth_groups(grads):
     assert [g["name"] for g in top["groups"]] == ["model.layers.1", "model.layers.0"] and top["group_count"] == 4
 
 
+def test_groups_cut_by_top_say_how_many_there_are(steps):
+    # found by a fresh user (second review): --top cutting the groups of --depth did not say how many groups there were
+    a, b = steps
+    text = ok("global-norm", a, "--depth", "3", "--top", "2").stdout
+    assert "showing 2 of 3 groups" in text
+    assert "of 3 groups" not in ok("global-norm", a, "--depth", "3", "--top", "3").stdout
+    assert "showing 2 of 3 groups" in ok("diff", a, b, "--depth", "3", "--top", "2").stdout
+
+
 def test_sort_and_top_keep_the_global_norm(grads):
     full = js("global-norm", grads)["checkpoints"][0]
     (c,) = js("global-norm", grads, "--sort", "norm", "--top", "3")["checkpoints"]
@@ -99,6 +109,16 @@ def test_include_exclude_globs(grads):
     assert reasons["model.layers.0.mlp.up_proj.weight"] == "excluded by --exclude"
     ref = reference(grads)
     assert c["global_norm"] == pytest.approx(fnorm([ref[n] for n in names]), rel=1e-15)
+
+
+def test_a_pattern_that_matches_nothing_is_warned_of(steps):
+    # found by a fresh user (second review): an --include or --exclude pattern matching no tensor passed in silence
+    a, b = steps
+    result = run("global-norm", a, "--include", "*embed*", "--include", "nomatch*", "--quiet")
+    assert result.exit_code == 0 and result.stderr == "clipcli: warning: --include 'nomatch*' matches no tensor\n"
+    result = run("diff", a, b, "--exclude", "typo*", "--quiet")
+    assert result.exit_code == 0 and result.stderr == "clipcli: warning: --exclude 'typo*' matches no tensor\n"
+    assert run("global-norm", a, "--include", "*", "--quiet").stderr == ""
 
 
 def test_csv_report(grads):
@@ -128,6 +148,17 @@ def test_fail_above(grads):
     assert result.exit_code == 1
     assert result.stdout == ""
     assert result.stderr == f"clipcli: error: {grads}: global norm {g!r} exceeds --fail-above 100\n"
+
+
+def test_every_checkpoint_that_fails_the_gate_is_named(steps):
+    # found by a fresh user (second review): of several checkpoints that failed a gate, one was named
+    a, b = steps
+    both = run("global-norm", a, b, "--fail-above", "0.1", "--quiet")
+    assert both.exit_code == 1
+    assert both.stderr.count("\n") == 1 and "2 of 2 checkpoints fail their gates" in both.stderr
+    assert f"{a}: global norm" in both.stderr and f"{b}: global norm" in both.stderr
+    one = run("global-norm", a, b, "--fail-above", "6.088", "--quiet")  # |a| 6.08767, |b| 6.0893
+    assert one.exit_code == 1 and one.stderr.startswith(f"clipcli: error: {b}: global norm 6.0893")
 
 
 @pytest.fixture
@@ -300,6 +331,13 @@ def test_clip_to_npz_converts_and_refuses_bfloat16(grads, tmp_path):
         assert reference(tmp_path / "o.safetensors")["step"] == z["step"]
 
 
+def test_a_huge_clip_norm_over_a_tiny_norm_warns_of_nothing(steps):
+    # found by a fresh user (third review): a huge --clip-norm over a tiny norm printed a RuntimeWarning
+    a, _ = steps
+    result = run("clip-global-norm", a, "--dry-run", "--clip-norm", "1e308", "--use-norm", "1e-308")
+    assert result.exit_code == 0 and result.stderr == ""
+
+
 # --- clip-norm --------------------------------------------------------------------------------------
 
 
@@ -385,6 +423,33 @@ def test_clip_norm_across_rows_holds_no_whole_tensor(tmp_path):
     assert reference(tmp_path / "o.safetensors")["w"].tobytes() == core.clip_by_norm(t, 1.0, 0).tobytes()
 
 
+def test_axes_that_fit_no_tensor_are_a_usage_error(steps, tmp_path):
+    # found by a fresh user (second review): --axes that fit no selected tensor skipped them all, no usage error
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    result = run("clip-norm", a, "-o", out, "--clip-norm", "1", "--axes", "0,1,2")
+    assert result.exit_code == 2
+    assert "--axes 0,1,2 fits no selected tensor" in result.stderr and "rank 2 is too small" in result.stderr
+    assert not out.exists()
+
+
+def test_an_axis_named_twice_is_the_reason_given(tmp_path):
+    # found by a fresh user (second review): a tensor skipped for an axis named twice did not say why
+    rng = np.random.default_rng(2)
+    path = write_st(
+        tmp_path / "t.safetensors",
+        {
+            "flat": rng.standard_normal((4, 6)).astype(np.float32),
+            "cube": rng.standard_normal((2, 3, 4)).astype(np.float32),
+        },
+    )
+    (c,) = js("clip-norm", path, "--dry-run", "--clip-norm", "1", "--axes", "1,-1")["checkpoints"]
+    assert c["skipped"] == [
+        {"name": "flat", "dtype": "float32", "reason": "--axes 1,-1 names one axis twice for rank 2"}
+    ]
+    assert [t["name"] for t in c["tensors"]] == ["cube"]
+
+
 # --- clip-value -------------------------------------------------------------------------------------
 
 
@@ -452,6 +517,110 @@ def test_output_is_deterministic(grads, tmp_path):
     assert first.stdout.replace("a.safetensors", "b.safetensors") == second.stdout
 
 
+@pytest.mark.parametrize("over", ["input", "output"])
+def test_the_report_is_never_written_over_a_checkpoint(steps, tmp_path, over):
+    # found by a fresh user (second review): --report could name the input or the output and overwrite a checkpoint
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    before = digest(a)
+    report = a if over == "input" else out
+    result = run("clip-value", a, "-o", out, "--report", report, "--min", "-0.1", "--max", "0.1")
+    assert result.exit_code == 4
+    assert "refusing to write the report over a checkpoint" in result.stderr
+    assert digest(a) == before and not out.exists()
+
+
+def test_convert_over_its_input_says_to_write_elsewhere(steps):
+    # found by a fresh user (second review): convert over its own input did not say to write elsewhere
+    a, _ = steps
+    before = digest(a)
+    result = run("convert", a, "-o", a)
+    assert result.exit_code == 4 and "refusing to overwrite the input (write to another path)" in result.stderr
+    assert digest(a) == before
+
+
+@pytest.fixture
+def with_metadata(tmp_path) -> Path:
+    rng = np.random.default_rng(5)
+    tensors = {"w": rng.standard_normal((8, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+    return write_st(tmp_path / "m.safetensors", tensors, {"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert"],
+        ["clip-value", "--min", "-0.5", "--max", "0.5"],
+        ["clip-norm", "--clip-norm", "1"],
+        ["clip-global-norm", "--clip-norm", "1"],
+    ],
+)
+def test_metadata_into_npz_is_refused_unless_dropped(with_metadata, tmp_path, args):
+    # found by a fresh user (second review): a clip into .npz dropped the metadata silently (convert refused it)
+    command, *options = args
+    out = tmp_path / "out.npz"
+    result = run(command, with_metadata, "-o", out, *options)
+    assert result.exit_code == 3
+    assert "the metadata (1 entry: format) has no place in an .npz" in result.stderr
+    assert "--drop-metadata" in result.stderr and not out.exists()
+    ok(command, with_metadata, "-o", out, *options, "--drop-metadata")
+    reference = load_file(with_metadata)
+    with np.load(out) as z:
+        assert sorted(z.files) == sorted(reference)
+        if command == "convert":
+            for name, values in reference.items():
+                np.testing.assert_array_equal(z[name], values)
+
+
+@pytest.mark.parametrize("where", ["missing/r.json", "a directory"])
+def test_a_report_that_cannot_be_written_is_found_before_the_output_is(steps, tmp_path, where):
+    # found by a fresh user (third review): an unwritable --report failed only after the output was written
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"old")
+    report = tmp_path / where
+    if where == "a directory":
+        report.mkdir()
+    result = run("clip-global-norm", a, "-o", out, "--clip-norm", "1", "--report", report)
+    assert result.exit_code == 4 and out.read_bytes() == b"old"
+    result = run("convert", a, "-o", tmp_path / "c.safetensors", "--report", report)
+    assert result.exit_code == 4 and not (tmp_path / "c.safetensors").exists()
+
+
+def test_an_npy_output_that_would_rename_the_tensor_is_refused(tmp_path):
+    # found by a fresh user (third review): an .npy output not named after its tensor lost the tensor's name
+    src = write_st(tmp_path / "small.safetensors", {"x": np.arange(3, dtype=np.float32)})
+    result = run("convert", src, "-o", tmp_path / "s.npy")
+    assert result.exit_code == 3 and "an .npy holds no name: tensor 'x' would be read back as 's'" in result.stderr
+    assert not (tmp_path / "s.npy").exists()
+    ok("convert", src, "-o", tmp_path / "x.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), np.arange(3, dtype=np.float32))
+    ok("clip-value", tmp_path / "x.npy", "-o", tmp_path / "y.npy", "--min", "0", "--max", "1")  # .npy to .npy
+
+
+def test_shards_of_another_layout_in_the_output_directory_are_refused(tmp_path):
+    # found by a fresh user (third review): shards of another layout were left beside the new ones in the output
+    out = tmp_path / "shards"
+    ok("convert", SAMPLES / "grads.safetensors", "-o", f"{out}/", "--max-shard-size", "50KB")
+    before = {p.name: digest(p) for p in out.iterdir()}
+    result = run("convert", SAMPLES / "grads.safetensors", "-o", f"{out}/", "--max-shard-size", "1MB")
+    assert result.exit_code == 4 and "which this write would leave beside its own shards" in result.stderr
+    assert {p.name: digest(p) for p in out.iterdir()} == before
+    ok("convert", SAMPLES / "grads.safetensors", "-o", f"{out}/", "--max-shard-size", "50KB")  # the same layout
+
+
+def test_a_report_in_a_directory_that_is_not_writable_is_refused_first(steps, tmp_path, monkeypatch):
+    # found after the third review: a --report into a directory clipcli may not write was found after the output
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    report_dir = tmp_path / "locked"
+    report_dir.mkdir()
+    real = os.access  # root may write anywhere: the directory is made unwritable to clipcli's eyes
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != report_dir and real(p, mode))
+    result = run("clip-value", a, "-o", out, "--min", "0", "--max", "1", "--report", report_dir / "r.json")
+    assert result.exit_code == 4 and "is not writable" in result.stderr and not out.exists()
+
+
 # --- Usage errors (2), before any file is read ------------------------------------------------------
 
 
@@ -487,6 +656,15 @@ def test_usage_errors_exit_2_before_reading(args):
     assert result.exit_code == 2, result.output
     assert "Usage: clipcli" in result.output
     assert "no such file" not in result.output
+
+
+@pytest.mark.parametrize(("command", "gate"), [("global-norm", "--fail-above"), ("diff", "--fail-rel-above")])
+def test_a_negative_threshold_is_a_usage_error(steps, command, gate):
+    # found by a fresh user (second review): a negative --fail-above or --fail-rel-above was accepted
+    a, b = steps
+    paths = [a] if command == "global-norm" else [a, b]
+    result = run(command, *paths, gate, "-1")
+    assert result.exit_code == 2 and "must be a number >= 0" in result.stderr
 
 
 # --- Unreadable input (3), write failures (4), bugs (70), interrupts (130) ----------------------------
@@ -544,6 +722,20 @@ def test_interrupt_exits_130(grads, monkeypatch):
     monkeypatch.setattr(commands, "clip_global_norm", interrupted)
     result = run("clip-global-norm", grads, "-o", grads.parent / "o.safetensors", "--clip-norm", "1")
     assert (result.exit_code, result.stderr) == (130, "clipcli: interrupted\n")
+
+
+def test_a_checkpoint_on_a_pipe_is_refused_with_what_to_do():
+    # found by a fresh user (second review): a checkpoint on a pipe got no message saying what to do
+    with open(SAMPLES / "grads.safetensors", "rb") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "clipcli", "global-norm", "/dev/stdin"],
+            env=ENV,
+            capture_output=True,
+            check=False,
+            input=f.read(),
+        )
+    assert done.returncode == 3
+    assert b"not a regular file (a pipe or a device?)" in done.stderr and b"save it to a file first" in done.stderr
 
 
 # --- The JSON report ----------------------------------------------------------------------------------
@@ -656,6 +848,18 @@ def test_names_are_text_never_markup_and_never_truncated(tmp_path):
     assert "…" not in table
     wide = run("global-norm", src, env=WIDE).stdout
     assert long in wide  # not a terminal and no COLUMNS: one line per row, however long
+
+
+def test_many_skipped_tensors_are_summed_up_by_reason(tmp_path):
+    # found by a fresh user (second review): every skipped tensor took a line of the table, however many
+    tensors = {f"step.{i}": np.array(i, np.int64) for i in range(12)}
+    tensors["w"] = np.ones((2, 2), np.float32)
+    path = write_st(tmp_path / "t.safetensors", tensors)
+    text = ok("global-norm", path).stdout
+    assert "skipped 12 tensors (step.0, step.1, step.10, ...): not a floating tensor" in text
+    assert "(every skipped tensor is listed in --format json)" in text
+    assert "skipped step.11" not in text
+    assert len(js("global-norm", path)["checkpoints"][0]["skipped"]) == 12
 
 
 # --- A real process ---------------------------------------------------------------------------------

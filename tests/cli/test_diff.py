@@ -409,3 +409,23 @@ def test_structured_members_of_other_fields_are_not_compared_by_bytes(tmp_path):
         assert run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--fail-different").exit_code == 1
     np.savez(tmp_path / "b.npz", t=a.copy())
     assert diff_json(tmp_path / "a.npz", tmp_path / "b.npz")["skipped"][0]["identical"] is True
+
+
+def test_a_diff_that_is_not_finite_says_so(tmp_path):
+    # found by a fresh user (second review): a diff gate tripped by a NaN difference did not say it was not finite
+    a = write_st(tmp_path / "a.safetensors", {"w": np.array([1.0, np.nan], np.float32)})
+    b = write_st(tmp_path / "b.safetensors", {"w": np.array([1.0, 2.0], np.float32)})
+    result = run("diff", a, b, "--fail-above", "1")
+    assert result.exit_code == 1 and "‖A−B‖ is nan, not finite (--fail-above 1)" in result.stderr
+
+
+def test_diff_top_counts_the_tensors_that_differ(steps):
+    # found by a fresh user (second review): diff --top K gave identical tensors places among the K shown
+    a, b = steps
+    text = ok("diff", a, b, "--top", "2").stdout
+    table = [line for line in text.splitlines() if line.startswith("model.")]
+    assert len(table) == 2  # one of the 7 is identical: --top 2 still shows 2 rows
+    assert "4 other tensors that differ not shown (--top)" in text and "1 tensor identical, bit for bit" in text
+    report = js("diff", a, b, "--top", "2")
+    assert len(report["tensors"]) == 2 and not any(t["identical"] for t in report["tensors"])
+    assert report["tensor_count"] == 7 and report["identical_count"] == 1

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from clipcli import report as render
 from clipcli.cli import app
-from tests.helpers import ROOT, raw_safetensors, run_bounded, st_bytes
+from tests.helpers import ROOT, SAMPLES, ok, raw_safetensors, run, run_bounded, st_bytes, write_st
 
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "PYTHONPATH": str(ROOT)}
 EVIL = "\x1b]0;title\x07\x1b[2J"  # sets a terminal's window title, then clears its screen
@@ -109,6 +109,25 @@ def test_every_error_line_is_escaped(capsys):
     assert err == "clipcli: error: internal error (ValueError: \\x1b]0;title\\x07\\x1b[2J)\n"
 
 
+def test_control_characters_in_a_message_never_reach_the_terminal(tmp_path):
+    # found by a fresh user (second review): an error message passed a tensor name's control characters to the terminal
+    name = "evil\x1b[2Jname"
+    path = write_st(tmp_path / "t.safetensors", {name: np.array([1.0, np.inf], np.float32)})
+    result = run("global-norm", path, "--fail-nonfinite")
+    assert result.exit_code == 1 and "\x1b" not in result.stderr and "\\x1b" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["global-norm", "inspect", "diff"])
+def test_csv_escapes_control_characters_in_names(tmp_path, command):
+    # found by a fresh user (second review): CSV reports passed control characters in names through raw
+    name = "w\x1b]0;title\x07"
+    path = write_st(tmp_path / "t.safetensors", {name: np.array([1.0, 2.0], np.float32)})
+    other = write_st(tmp_path / "u.safetensors", {name: np.array([1.0, 3.0], np.float32)})
+    paths = [path, other] if command == "diff" else [path]
+    text = ok(command, *paths, "--format", "csv").stdout
+    assert "\x1b" not in text and "\x07" not in text and "\\x1b" in text
+
+
 # --- 14: standard output closed or full ----------------------------------------------------------------
 
 
@@ -159,6 +178,15 @@ def test_a_full_stdout_is_exit_4(grads):
                               stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
     assert done.returncode == 4
     assert one_error_line(done.stderr).endswith("cannot write the report: No space left on device\n")
+
+
+def test_a_report_that_cannot_be_written_to_stdout_is_exit_4():
+    # found by a fresh user (second review): a report that stdout (/dev/full) could not take exited 120, not 4
+    with open("/dev/full", "w") as full:
+        command = [sys.executable, "-m", "clipcli", "global-norm", str(SAMPLES / "grads.safetensors")]
+        done = subprocess.run(command, env=ENV, stdout=full, stderr=subprocess.PIPE, text=True, check=False)
+    assert done.returncode == 4
+    assert done.stderr == "clipcli: error: standard output: cannot write the report: No space left on device\n"
 
 
 # --- 15, 16: signals at any moment end the process by the signal --------------------------------------

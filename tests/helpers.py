@@ -517,6 +517,17 @@ def write_st(path: Path, tensors: dict[str, np.ndarray], metadata=None) -> Path:
     return path
 
 
+def npz_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
 # -- torch pickles and zips written by hand, read back as the reader would -------------------------------
 
 

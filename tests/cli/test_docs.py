@@ -122,3 +122,20 @@ def test_every_option_is_in_the_readme():
     for command in COMMANDS:
         for option in set(re.findall(r"--[a-z][a-z-]*[a-z]", ok(command, "--help").stdout)) - {"--help"}:
             assert option in readme, f"{command} {option}"
+
+
+@pytest.mark.parametrize("command", ["inspect", "global-norm", "clip-value", "clip-norm", "clip-global-norm"])
+def test_help_ends_with_examples_and_names_arguments_as_words(command):
+    # found trying clipcli as a new user: help lacked examples, and named arguments as {braces} and <str>
+    text = ok(command, "--help").stdout
+    assert "{" not in text.splitlines()[0] and "CKPT" in text.splitlines()[0]
+    examples = text[text.index("Examples:") :].splitlines()[1:]
+    assert sum(line.strip().startswith(f"clipcli {command} ") for line in examples) >= 2
+    assert "<str>" not in text
+
+
+def test_ord_reads_as_a_word_and_completion_is_offered():
+    # found trying clipcli as a new user: --ord's metavar was not a word, and shell completion was not offered
+    assert "--ord P" in ok("global-norm", "--help").stdout
+    root = ok("--help").stdout
+    assert "--install-completion" in root and "--show-completion" in root

@@ -128,6 +128,24 @@ def test_csv_escapes_control_characters_in_names(tmp_path, command):
     assert "\x1b" not in text and "\x07" not in text and "\\x1b" in text
 
 
+def test_control_characters_in_names_are_escaped_everywhere(tmp_path):
+    # found trying clipcli as a new user: control characters in tensor names and metadata reached the terminal raw
+    names = {"esc\x1b[31mred": np.ones(3, np.float32), "new\nline": np.ones(2, np.float32)}
+    src = write_st(tmp_path / "esc.safetensors", {**names, "bell\x07": np.array(1, np.int64)}, {"k\x1b]0;x": "v\x9b1"})
+    outputs = [
+        ok("global-norm", src).stdout,
+        ok("global-norm", src, src, "--depth", "1").stdout,
+        ok("inspect", src).stdout,
+        ok("clip-norm", src, "--dry-run", "--clip-norm", "1").stdout,
+    ]
+    for out in outputs:
+        assert not any(c in out for c in "\x1b\x07\x9b")
+    table = outputs[0]
+    assert "esc\\x1b[31mred" in table and "new\\nline" in table and "bell\\x07" in table
+    assert len(table.splitlines()) == 5  # headline, header, two rows, one skipped line: no row split
+    assert "metadata k\\x1b]0;x = v\\x9b1" in outputs[2]
+
+
 # --- 14: standard output closed or full ----------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 The normal run tries a bounded number of examples per property; the large run is
 
-    CLIPCLI_FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz.py -q
+    CLIPCLI_FUZZ_EXAMPLES=10000 python -m pytest tests/checkpoint/test_fuzz.py -q
 
 Each example must finish within the deadline (no hang) and allocate no more than a small multiple of the
 file's size plus one read buffer (a header that claims a terabyte in a kilobyte is refused before

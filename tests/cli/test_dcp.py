@@ -82,7 +82,7 @@ def test_convert_into_shards(tmp_path):
 
 
 def test_clipping_a_distributed_checkpoint_in_place_is_refused_as_for_any_pytorch_input(tmp_path):
-    # (it clips into .safetensors and .npz and dry-runs since issue 22 item 23: tests/test_hostile_views.py)
+    # (it clips into .safetensors and .npz and dry-runs since issue 22 item 23: tests/checkpoint/test_hostile_views.py)
     ckpt = tmp_path / "dcp"
     shutil.copytree(DATA / "sharded", ckpt)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}

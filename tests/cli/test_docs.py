@@ -1,6 +1,6 @@
 """The README is true: every console example is run and its output compared byte for byte, every snippet runs.
 
-`CLIPCLI_UPDATE_README=1 python -m pytest tests/test_docs.py` rewrites the outputs shown in the README from
+`CLIPCLI_UPDATE_README=1 python -m pytest tests/cli/test_docs.py` rewrites the outputs shown in the README from
 a real run (then read the diff before committing it).
 """
 

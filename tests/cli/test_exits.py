@@ -1,4 +1,4 @@
-"""Issue 22: exit statuses, signals, the command line and the report (items 10, 14-19 and 25's low items)."""
+"""Exit statuses and what the command line promises: escaped strings, closed stdout, stop signals, permissions."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def one_error_line(stderr: str) -> str:
     return stderr
 
 
-# --- 10: every string from a file is escaped ---------------------------------------------------------
+# --- Every string from a file is escaped -------------------------------------------------------------
 
 
 def _bin(text: str) -> bytes:
@@ -146,7 +146,7 @@ def test_control_characters_in_names_are_escaped_everywhere(tmp_path):
     assert "metadata k\\x1b]0;x = v\\x9b1" in outputs[2]
 
 
-# --- 14: standard output closed or full ----------------------------------------------------------------
+# --- Standard output closed or full --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fmt", ["table", "json"])
@@ -207,7 +207,7 @@ def test_a_report_that_cannot_be_written_to_stdout_is_exit_4():
     assert done.stderr == "clipcli: error: standard output: cannot write the report: No space left on device\n"
 
 
-# --- 15, 16: signals at any moment end the process by the signal --------------------------------------
+# --- Stop signals at any moment end the process by the signal -----------------------------------------
 
 
 def _interrupt_during_numpys_import(sig: signal.Signals) -> str:
@@ -344,7 +344,7 @@ def test_an_inherited_ignored_sigint_stays_ignored(slow, tmp_path):
     assert (proc.returncode, stderr) == (0, "") and out.exists()
 
 
-# --- 17: a file, shard or directory without permission ---------------------------------------------------
+# --- A file, shard or directory without permission -------------------------------------------------------
 
 
 def _without_root_s_read_override() -> None:
@@ -427,7 +427,7 @@ def test_an_output_in_a_directory_that_cannot_be_searched_is_exit_4(grads, tmp_p
         locked.chmod(0o755)
 
 
-# --- 18, 19: usage errors of one line; --report - -------------------------------------------------------
+# --- Usage errors of one line; --report - ---------------------------------------------------------------
 
 
 def test_nothing_to_clip_is_a_usage_error_of_one_line(tmp_path):
@@ -449,7 +449,7 @@ def test_report_dash_is_refused_before_anything_is_read(grads, tmp_path, monkeyp
     assert not (tmp_path / "-").exists()
 
 
-# --- 25: the low items -----------------------------------------------------------------------------------
+# --- Paths, terminals, completion, ownership and CSV cells -----------------------------------------------
 
 
 def test_an_ascii_terminal_gets_the_diff_summary_in_ascii(tmp_path):

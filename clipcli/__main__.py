@@ -10,7 +10,7 @@ def main() -> None:
     # Stops are blocked (held by the system) until clipcli's handlers are in place: one that came meanwhile is
     # delivered to them when unblocked, in the `try` below; before, it was Python's KeyboardInterrupt traceback.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-    from clipcli.errors import exit_stopped, install_stop_handlers, stop_status
+    from clipcli._stops import exit_stopped, install_stop_handlers, stop_status
 
     install_stop_handlers()
     # A run makes many objects that live to its end (modules, a few records per tensor) and few cycles.

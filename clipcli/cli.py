@@ -17,17 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from clipcli import __version__
-from clipcli.errors import (
-    ClipcliError,
-    ExitStatus,
-    Terminated,
-    defer_stops,
-    exit_stopped,
-    ignore_stops_if_committed,
-    install_stop_handlers,
-    printable,
-    stop_status,
-)
+from clipcli._stops import defer_stops, exit_stopped, ignore_stops_if_committed, install_stop_handlers, stop_status
+from clipcli.errors import ClipcliError, ExitStatus, Terminated, printable
 
 if TYPE_CHECKING:
     from clipcli.report import CheckpointReport

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
+from clipcli._stops import StopsHeld, ignore_in_worker
 from clipcli.checkpoint._files import Span
 from clipcli.core import BLOCK
 
@@ -578,14 +579,13 @@ def _in_processes(work: _Worker, jobs: int, progress: Callable[[int], None]) -> 
         for k in range(jobs):
             r, w = os.pipe()
             gc.freeze()  # objects made so far stay out of the workers' collections: their pages stay shared
-            with warnings.catch_warnings(), _stops_held():
+            with warnings.catch_warnings(), StopsHeld():
                 # Python 3.12+ warns that a process with threads (NumPy's BLAS pool) forks: the workers
                 # use neither BLAS nor any lock those threads could hold.
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover (a worker: it never returns)
-                    for stop in _STOPS:  # Ctrl-C and SIGTERM are the parent's to handle
-                        signal.signal(stop, signal.SIG_IGN)
+                    ignore_in_worker()
             if pid == 0:  # pragma: no cover
                 os.close(r)
                 _child(work, k, counter, done, w)
@@ -637,24 +637,6 @@ def _child(work: _Worker, k: int, counter: Any, done: Any, w: int) -> None:  # p
         status = 1
     finally:
         os._exit(status)
-
-
-_STOPS = {signal.SIGINT, signal.SIGTERM}
-
-
-@contextlib.contextmanager
-def _stops_held() -> Iterator[None]:
-    """Holds Ctrl-C and SIGTERM back while forking: the interpreter's after-fork hooks swallow the
-    exception a handler raises in them (the clip would go on); held, the signal arrives just after,
-    where it stops the command."""
-    held = hasattr(signal, "pthread_sigmask")
-    if held:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-    try:
-        yield
-    finally:
-        if held:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
 
 
 def _die_with_parent() -> None:  # pragma: no cover (in a worker)

@@ -16,7 +16,8 @@ from typing import Any, BinaryIO, NamedTuple, cast
 
 import numpy as np
 
-from clipcli.errors import MalformedError, WriteError, commit_begins, defer_stops, raise_if_stopped
+from clipcli._stops import commit_begins, defer_stops, raise_if_stopped
+from clipcli.errors import MalformedError, WriteError
 
 # Every this many bytes written, the file asks the kernel to start writing them to the disk.
 WRITEBACK_BYTES = 32 << 20

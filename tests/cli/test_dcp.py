@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.test_cli import js, ok, run
+from tests.helpers import DATA as TESTS_DATA
+from tests.helpers import js, ok, run
 
-DATA = Path(__file__).resolve().parent / "data" / "dcp"
+DATA = TESTS_DATA / "dcp"
 CHECKPOINTS = ["single", "sharded", "megatron", "megatron_mcore015"]
 
 
@@ -81,7 +82,7 @@ def test_convert_into_shards(tmp_path):
 
 
 def test_clipping_a_distributed_checkpoint_in_place_is_refused_as_for_any_pytorch_input(tmp_path):
-    # (it clips into .safetensors and .npz and dry-runs since issue 22 item 23: tests/test_hostile_views.py)
+    # (it clips into .safetensors and .npz and dry-runs since issue 22 item 23: tests/checkpoint/test_hostile_views.py)
     ckpt = tmp_path / "dcp"
     shutil.copytree(DATA / "sharded", ckpt)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}

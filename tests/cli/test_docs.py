@@ -1,6 +1,6 @@
 """The README is true: every console example is run and its output compared byte for byte, every snippet runs.
 
-`CLIPCLI_UPDATE_README=1 python -m pytest tests/test_docs.py` rewrites the outputs shown in the README from
+`CLIPCLI_UPDATE_README=1 python -m pytest tests/cli/test_docs.py` rewrites the outputs shown in the README from
 a real run (then read the diff before committing it).
 """
 
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import ok
+from tests.helpers import ROOT, ok
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 COMMANDS = ["inspect", "global-norm", "diff", "convert", "clip-value", "clip-norm", "clip-global-norm"]
 _CONSOLE = re.compile(r"```console\n(.*?)```", re.S)
@@ -123,3 +122,20 @@ def test_every_option_is_in_the_readme():
     for command in COMMANDS:
         for option in set(re.findall(r"--[a-z][a-z-]*[a-z]", ok(command, "--help").stdout)) - {"--help"}:
             assert option in readme, f"{command} {option}"
+
+
+@pytest.mark.parametrize("command", ["inspect", "global-norm", "clip-value", "clip-norm", "clip-global-norm"])
+def test_help_ends_with_examples_and_names_arguments_as_words(command):
+    # found trying clipcli as a new user: help lacked examples, and named arguments as {braces} and <str>
+    text = ok(command, "--help").stdout
+    assert "{" not in text.splitlines()[0] and "CKPT" in text.splitlines()[0]
+    examples = text[text.index("Examples:") :].splitlines()[1:]
+    assert sum(line.strip().startswith(f"clipcli {command} ") for line in examples) >= 2
+    assert "<str>" not in text
+
+
+def test_ord_reads_as_a_word_and_completion_is_offered():
+    # found trying clipcli as a new user: --ord's metavar was not a word, and shell completion was not offered
+    assert "--ord P" in ok("global-norm", "--help").stdout
+    root = ok("--help").stdout
+    assert "--install-completion" in root and "--show-completion" in root

@@ -1,4 +1,4 @@
-"""Issue 22, "Done when": every command on every small hostile file of the red team's classes.
+"""Every command on every small hostile file of the red team's classes.
 
 A corpus of crafted files, each under 10 KB (a directory: the file named, or all its files), and every
 command run on each in a process of its own under a time and memory limit. Whatever the outcome: an exit
@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import (
+from tests.helpers import (
+    DATA,
     dcp_checkpoint,
     dcp_metadata,
     dcp_two_regions,
@@ -42,7 +43,6 @@ from tests.conftest import (
     zeros_npz,
 )
 
-DATA = Path(__file__).parent / "data"
 ONE = struct.pack("<f", 1.0) * 4  # the bytes of a 4-element float32 storage of ones
 EVIL = "\x1b]0;owned\x07\x1b[2J\x9b31m"  # sets the window title, clears the screen; a C1 CSI too
 SECONDS = 10  # a pair still running then is killed: a failure
@@ -98,46 +98,46 @@ def hand_zip(path: Path, members: list[tuple[str, int, bytes, int, int]]) -> Pat
 
 
 def hash_bomb_legacy(d: Path) -> Path:
-    return torch_legacy(d / "bomb.pt", HASH_BOMB)  # item 3: 176 bytes that hashed for ever
+    return torch_legacy(d / "bomb.pt", HASH_BOMB)  # 176 bytes that hashed for ever
 
 
 def hash_bomb_zip(d: Path) -> Path:
-    return torch_zip_file(d / "bomb.pt", HASH_BOMB)  # item 3
+    return torch_zip_file(d / "bomb.pt", HASH_BOMB)
 
 
 def hash_bomb_dcp(d: Path) -> Path:
-    signature = b"ctorch.distributed.checkpoint.metadata\nMetadata\n"  # item 3: in a DCP .metadata
+    signature = b"ctorch.distributed.checkpoint.metadata\nMetadata\n"  # in a DCP .metadata
     (d / ".metadata").write_bytes(HASH_BOMB[:-1] + b"0" + signature + b"0N.")
     return d
 
 
 def frozenset_dag(d: Path) -> Path:
-    # item 3: FS(k+1) = frozenset({FS(k), (FS(k),)}) as a metadata leaf, rendered recursively
+    # FS(k+1) = frozenset({FS(k), (FS(k),)}) as a metadata leaf, rendered recursively
     level = b"0(h\x00h\x00\x85\x91q\x00"
     return torch_zip_file(d / "sets.pt", b"\x80\x04}X\x01\x00\x00\x00x(\x91q\x00" + level * 40 + b"s.")
 
 
 def rehashed_keys(d: Path) -> Path:
-    # item 3: a tuple of 2**12 items (its expansion allowed) used as a key again and again
+    # a tuple of 2**12 items (its expansion allowed) used as a key again and again
     dag = b"K\x00K\x00\x86" + b"2\x86" * 12 + b"q\x00"
     return torch_zip_file(d / "keys.pt", b"\x80\x02" + dag + b"0}(" + b"h\x00N" * 3000 + b"u.")
 
 
 def deflated_pickle(d: Path) -> Path:
-    # item 4: a deflated data.pkl of 9 M empty dicts (torch never compresses it)
+    # a deflated data.pkl of 9 M empty dicts (torch never compresses it)
     data = b"\x80\x02](" + b"}" * 9_000_000 + b"e."
     return torch_zip_file(d / "deflated.pt", data, compression=zipfile.ZIP_DEFLATED)
 
 
 def fan_out(d: Path) -> Path:
-    # item 5: one tensor in a list of 700 references, that list 700 times: 490,000 names
+    # one tensor in a list of 700 references, that list 700 times: 490,000 names
     k = 700
     data = b"\x80\x02" + torch_tensor_pickle() + b"q\x00]q\x01(" + b"h\x00" * k + b"e](" + b"h\x01" * k + b"e."
     return torch_zip_file(d / "fan.pt", data, {"0": ONE})
 
 
 def expand_2_29(d: Path) -> Path:
-    # item 6: torch.save(x.expand(2**29)) of a 4-byte storage
+    # torch.save(x.expand(2**29)) of a 4-byte storage
     obj = torch_view("float32", 1, (1 << 29,), (0,))
     path = d / "expand.pt"
     path.write_bytes(torch_zip(obj, {"0": struct.pack("<f", 3.0)}))
@@ -145,7 +145,7 @@ def expand_2_29(d: Path) -> Path:
 
 
 def view_70_dims(d: Path) -> Path:
-    # item 11: a 70-dimensional (transposed) view
+    # a 70-dimensional (transposed) view
     storage = np.arange(12, dtype=np.float32) - 5
     obj = torch_view("float32", 12, SHAPE_70, (5,) * 34 + (1,) + (7,) * 34 + (3,))
     path = d / "v70.pt"
@@ -154,7 +154,7 @@ def view_70_dims(d: Path) -> Path:
 
 
 def fortran_70_dims(d: Path) -> Path:
-    # item 11: a Fortran-order .npy of 70 dimensions
+    # a Fortran-order .npy of 70 dimensions
     values = (np.arange(12, dtype=np.float32) - 5).reshape(3, 4)
     path = d / "f70.npy"
     path.write_bytes(npy_header(SHAPE_70, fortran=True) + values.tobytes(order="F"))
@@ -162,13 +162,13 @@ def fortran_70_dims(d: Path) -> Path:
 
 
 def lone_distcp(d: Path) -> Path:
-    # item 1: one file of a distributed checkpoint named alone
+    # one file of a distributed checkpoint named alone
     shutil.copytree(DATA / "dcp" / "megatron", d / "ckpt")
     return d / "ckpt" / "__0_0.distcp"
 
 
 def two_archives(d: Path) -> Path:
-    # item 1: two torch.save archives concatenated (zipfile reads the last)
+    # two torch.save archives concatenated (zipfile reads the last)
     parts = []
     for name in "ab":
         data = b"\x80\x02}X\x01\x00\x00\x00" + name.encode() + torch_tensor_pickle() + b"s."
@@ -253,16 +253,16 @@ def bzip2_npz(path: Path, blocks: int) -> Path:
 
 
 def bzip2_bomb(d: Path) -> Path:
-    return bzip2_npz(d / "bzip2.npz", 3)  # item 8: 137 MB of zeros in 330 bytes
+    return bzip2_npz(d / "bzip2.npz", 3)  # 137 MB of zeros in 330 bytes
 
 
 def bzip2_8_gib(d: Path) -> Path:
-    # item 8: the red team's 1 KB (2.1 GB) and 3 KB (8.4 GB) files: one member of 8.0 GiB of zeros in 6.2 KB
+    # the red team's 1 KB (2.1 GB) and 3 KB (8.4 GB) files: one member of 8.0 GiB of zeros in 6.2 KB
     return bzip2_npz(d / "bzip2.npz", 187)
 
 
 def lzma_bomb(d: Path) -> Path:
-    return zeros_npz(d / "lzma.npz", 64 << 20, zipfile.ZIP_LZMA)  # item 8: 9.7 KB, 64 MiB
+    return zeros_npz(d / "lzma.npz", 64 << 20, zipfile.ZIP_LZMA)  # 9.7 KB, 64 MiB
 
 
 def deflate_bomb(d: Path) -> Path:
@@ -275,26 +275,26 @@ def deflate_bomb(d: Path) -> Path:
 
 
 def npy_5000_digits(d: Path) -> Path:
-    path = d / "big.npy"  # item 12: a shape of one 5,000-digit integer
+    path = d / "big.npy"  # a shape of one 5,000-digit integer
     path.write_bytes(npy_header("(" + "9" * 5000 + ",)"))
     return path
 
 
 def npy_hex_digits(d: Path) -> Path:
-    path = d / "hex.npy"  # item 12: the same in hex
+    path = d / "hex.npy"  # the same in hex
     path.write_bytes(npy_header("(0x" + "f" * 5000 + ",)"))
     return path
 
 
 def npz_5000_digits(d: Path) -> Path:
-    path = d / "big.npz"  # item 12: inside an .npz
+    path = d / "big.npz"  # inside an .npz
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("big.npy", npy_header("(" + "9" * 5000 + ", 0)"))
     return path
 
 
 def safetensors_huge_number(d: Path) -> Path:
-    path = d / "big.safetensors"  # item 12: a 4,000-digit dimension
+    path = d / "big.safetensors"  # a 4,000-digit dimension
     path.write_bytes(raw_safetensors({"a": {"dtype": "F32", "shape": [10**3999], "data_offsets": [0, 4]}}, bytes(4)))
     return path
 
@@ -310,7 +310,7 @@ def safetensors_huge_offsets(d: Path) -> Path:
 
 
 def meta_huge_count(d: Path) -> Path:
-    # item 12: a meta tensor of 300 dimensions of 2**62: an element count of 5,600 digits
+    # a meta tensor of 300 dimensions of 2**62: an element count of 5,600 digits
     size = b"(" + b"".join(b"\x8a\x08" + (2**62).to_bytes(8, "little") for _ in range(300)) + b"t"
     meta = b"ctorch._utils\n_rebuild_meta_tensor_no_storage\n(ctorch\nfloat32\n" + size + b"(" + b"K\x01" * 300
     return torch_zip_file(d / "meta.pt", b"\x80\x02}X\x01\x00\x00\x00w" + meta + b"t\x89tRs.")
@@ -324,20 +324,20 @@ def _small_dcp(d: Path, tensors: dict) -> Path:
 
 
 def dcp_many_chunks(d: Path) -> Path:
-    return _small_dcp(d, {"t": dcp_two_regions(4)})  # item 7: 32 chunks splitting 9 dimensions
+    return _small_dcp(d, {"t": dcp_two_regions(4)})  # 32 chunks splitting 9 dimensions
 
 
 def dcp_overlap(d: Path) -> Path:
-    return _small_dcp(d, {"t": dcp_two_regions(4, bump=True)})  # item 7: the same, one chunk overlapping
+    return _small_dcp(d, {"t": dcp_two_regions(4, bump=True)})  # the same, one chunk overlapping
 
 
 def dcp_row_chunks(d: Path) -> Path:
-    # item 7: 60 chunks of one row each (every read once scanned every chunk)
+    # 60 chunks of one row each (every read once scanned every chunk)
     return _small_dcp(d, {"w": ((60, 2), [((i, 0), np.ones((1, 2), np.float32)) for i in range(60)])})
 
 
 def dcp_item_fan_out(d: Path) -> Path:
-    # item 7: one byte range (140 references to a list of 140 references to a float) named by 51 items: 1.0 M
+    # one byte range (140 references to a list of 140 references to a float) named by 51 items: 1.0 M
     # names, as many as a byte range may make again (51 + 4 items: refused)
     d = d / "dcp"
     d.mkdir()
@@ -353,7 +353,7 @@ def dcp_item_fan_out(d: Path) -> Path:
 
 
 def tar_format(d: Path) -> Path:
-    path = d / "old.pt"  # item 21: torch's tar format (dropped in 0.1.x)
+    path = d / "old.pt"  # torch's tar format (dropped in 0.1.x)
     with tarfile.open(path, "w") as t:
         info = tarfile.TarInfo("sys_info")
         info.size = 4
@@ -367,33 +367,33 @@ def _flags(flags: list[str]) -> bytes:
 
 
 def escapes_in_flags(d: Path) -> Path:
-    # item 10: a tensor-flags key holding terminal escapes
+    # a tensor-flags key holding terminal escapes
     data = b"\x80\x02}X\x01\x00\x00\x00w" + torch_tensor_pickle(flags=_flags([EVIL])) + b"s."
     return torch_zip_file(d / "flags.pt", data, {"0": ONE})
 
 
 def escapes_in_torch_names(d: Path) -> Path:
-    # item 10: escapes in a tensor's name, a metadata key and a metadata value of a .pt
+    # escapes in a tensor's name, a metadata key and a metadata value of a .pt
     name, key, value = (pickle.dumps(s, 2)[2:-1] for s in (EVIL + "w", EVIL + "k", EVIL + "v"))
     data = b"\x80\x02}(" + name + torch_tensor_pickle() + key + value + b"u."
     return torch_zip_file(d / "names.pt", data, {"0": ONE})
 
 
 def escapes_in_safetensors(d: Path) -> Path:
-    path = d / "names.safetensors"  # item 10: escapes in names, a metadata key and value
+    path = d / "names.safetensors"  # escapes in names, a metadata key and value
     tensors = {EVIL + "w": np.ones(3, np.float32), "b" + EVIL: np.array([np.nan, 1], np.float32)}
     path.write_bytes(st_bytes(tensors, {EVIL + "k": EVIL + "v"}))
     return path
 
 
 def escapes_in_a_dtype(d: Path) -> Path:
-    path = d / "dtype.safetensors"  # item 10: an error message quoting a file's dtype
+    path = d / "dtype.safetensors"  # an error message quoting a file's dtype
     path.write_bytes(raw_safetensors({"w": {"dtype": EVIL, "shape": [1], "data_offsets": [0, 4]}}, bytes(4)))
     return path
 
 
 def escapes_in_npz_names(d: Path) -> Path:
-    path = d / "names.npz"  # item 10: escapes in an .npz member's name, and a member that escapes
+    path = d / "names.npz"  # escapes in an .npz member's name, and a member that escapes
     with zipfile.ZipFile(path, "w") as z:
         for name in (EVIL + ".npy", "../../x.npy"):
             z.writestr(name, npy_header((2,)) + np.ones(2, np.float32).tobytes())
@@ -401,12 +401,12 @@ def escapes_in_npz_names(d: Path) -> Path:
 
 
 def float8_views(d: Path) -> Path:
-    # item 13: every float8 torch saves, and float4 it cannot hold (torch's own file, 3.8 KB)
+    # every float8 torch saves, and float4 it cannot hold (torch's own file, 3.8 KB)
     return Path(shutil.copy(DATA / "torch" / "float8.pt", d / "float8.pt"))
 
 
 def float8_e8m0(d: Path) -> Path:
-    # item 13: _rebuild_tensor_v3 of an UntypedStorage of every e8m0 byte (0xff is its NaN)
+    # _rebuild_tensor_v3 of an UntypedStorage of every e8m0 byte (0xff is its NaN)
     tensor = torch_tensor_pickle(numel=256, size=(16, 16), stride=(1, 16), flags=b"ctorch\nfloat8_e8m0fnu\n")
     tensor = tensor.replace(b"_rebuild_tensor_v2", b"_rebuild_tensor_v3")
     tensor = tensor.replace(b"torch\nFloatStorage", b"torch.storage\nUntypedStorage")
@@ -414,7 +414,7 @@ def float8_e8m0(d: Path) -> Path:
 
 
 def subdirectory_shards(d: Path) -> Path:
-    # item 2: two shards of one name in two subdirectories
+    # two shards of one name in two subdirectories
     for sub, name in (("a", "x"), ("b", "y")):
         (d / "ckpt" / sub).mkdir(parents=True)
         (d / "ckpt" / sub / "model.safetensors").write_bytes(st_bytes({name: np.full(4, 3.0, np.float32)}))
@@ -432,7 +432,7 @@ def index_leaving_its_directory(d: Path) -> Path:
 
 
 def index_of_missing_shards(d: Path) -> Path:
-    # item 9 in small: 12,001 shards take 360 KB of index; 350 (none of them there) take 9 KB
+    # many shards, in small: 12,001 shards take 360 KB of index; 350 (none of them there) take 9 KB
     index = d / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {f"w{i}": f"s{i}.safetensors" for i in range(350)}}))
     return index

@@ -1,4 +1,4 @@
-"""Issue 22, PyTorch files and the pickle machine: hostile and misread files, crafted here without torch."""
+"""PyTorch files and the pickle machine: hostile and misread files, crafted here without torch."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from clipcli.checkpoint import open_checkpoint
 from clipcli.checkpoint._files import file_format, sniff
 from clipcli.checkpoint._torch import read_torch
 from clipcli.errors import MalformedError, UnsupportedError
-from tests.conftest import run_bounded, torch_legacy, torch_tensor_pickle, torch_zip_file, torchscript_jit
+from tests.helpers import DATA, run_bounded, torch_legacy, torch_tensor_pickle, torch_zip_file, torchscript_jit
 
-DATA = Path(__file__).parent / "data"
 ONE = struct.pack("<f", 1.0) * 4  # the bytes of a 4-element float32 storage of ones
 
 # T(k+1) = (Tk, Tk), 60 levels through DUP: 2**60 tuples for hash() to walk, from 2 bytes a level
@@ -43,7 +42,7 @@ def refused(r, words: str = "") -> bool:
     )
 
 
-# -- item 1: one zip, at byte 0 --------------------------------------------------------------------------
+# -- One zip, at byte 0 ----------------------------------------------------------------------------------
 
 
 def test_one_file_of_a_distributed_checkpoint_is_refused_naming_its_directory(tmp_path: Path) -> None:
@@ -76,7 +75,7 @@ def test_two_concatenated_archives_are_refused(tmp_path: Path) -> None:
     assert [t.name for t in read_torch(first)[1]] == ["a"]
 
 
-# -- item 3: hash bombs -----------------------------------------------------------------------------------
+# -- Hash bombs -------------------------------------------------------------------------------------------
 
 
 def test_tuple_hash_bomb_in_a_legacy_file_is_refused_quickly(tmp_path: Path) -> None:
@@ -124,7 +123,7 @@ def test_nested_tuples_within_the_budget_are_read(tmp_path: Path) -> None:
     assert metadata["(1, (2, (3, 'a')), frozenset({4}))"] == "1.5" and metadata["t.999"] == "999"
 
 
-# -- item 4: a compressed pickle -----------------------------------------------------------------------
+# -- A compressed pickle -------------------------------------------------------------------------------
 
 
 def test_compressed_data_pkl_is_refused_before_unpickling(tmp_path: Path) -> None:
@@ -136,7 +135,7 @@ def test_compressed_data_pkl_is_refused_before_unpickling(tmp_path: Path) -> Non
     assert refused(r, "record archive/data.pkl is compressed"), r
 
 
-# -- item 5: names fanned out through the memo -----------------------------------------------------------
+# -- Names fanned out through the memo -------------------------------------------------------------------
 
 
 def fan_out(k: int) -> bytes:
@@ -163,7 +162,7 @@ def test_the_largest_fan_out_a_small_file_is_allowed_stays_cheap(tmp_path: Path)
         read_torch(torch_zip_file(tmp_path / "f.pt", fan_out(60), {"0": ONE}))
 
 
-# -- item 10: tensor flags ---------------------------------------------------------------------------------
+# -- Tensor flags ------------------------------------------------------------------------------------------
 
 
 def flagged(path: Path, flags: dict[str, bool]) -> Path:
@@ -196,7 +195,7 @@ def test_torchs_own_flags_keep_their_reasons(tmp_path: Path) -> None:
     assert both == "conjugate and negative view: torch conjugates and negates the stored values on load"
 
 
-# -- item 13: every float8 type torch saves ----------------------------------------------------------------
+# -- Every float8 type torch saves -------------------------------------------------------------------------
 
 FLOAT8 = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
 
@@ -250,7 +249,7 @@ def test_types_nothing_holds_are_listed_with_their_reason(tmp_path: Path) -> Non
     assert packed.skip_reason == "dtype float4_e2m1fn_x2 has no NumPy type" and packed.dtype is None
 
 
-# -- item 21: torch archives and legacy files under any name ----------------------------------------------
+# -- Torch archives and legacy files under any name -------------------------------------------------------
 
 
 def test_torchscript_under_an_unknown_suffix_is_refused_as_torchscript(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Hostile archives, headers and shards (issue 22): subdirectory shards, .npz bombs, huge header numbers,
+"""Hostile archives, headers and shards: subdirectory shards, .npz bombs, huge header numbers,
 member names that escape, and headers of many tensors."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import safetensors.numpy
 
 from clipcli.checkpoint import Checkpoint, TensorInfo, _sharded, open_checkpoint, plan, save
-from tests.conftest import npy_header, raw_safetensors, run_bounded, st_bytes, zeros_npz
+from tests.helpers import npy_header, raw_safetensors, run_bounded, st_bytes, zeros_npz
 
 
 def refused(r, *words: str) -> None:
@@ -42,7 +42,7 @@ def npy(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-# -- item 2: shards in subdirectories -------------------------------------------------------------------
+# -- Shards in subdirectories ---------------------------------------------------------------------------
 
 
 def subdirectory_shards(root: Path) -> Path:
@@ -103,7 +103,7 @@ def test_index_shard_paths_that_leave_the_directory_are_refused(tmp_path: Path, 
     refused(run_bounded("inspect", index, seconds=30), "leaves the checkpoint's directory")
 
 
-# -- item 8: bzip2 and LZMA bombs, Fortran order --------------------------------------------------------
+# -- bzip2 and LZMA bombs, Fortran order ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_fortran_order_is_transposed_by_blocks(tmp_path: Path, shape: tuple[int,
     assert np.array_equal(safetensors.numpy.load_file(tmp_path / "f.safetensors")["a"], a)
 
 
-# -- item 12: huge numbers in headers -------------------------------------------------------------------
+# -- Huge numbers in headers ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -241,7 +241,7 @@ def test_a_meta_tensor_of_a_huge_element_count_is_refused(tmp_path: Path) -> Non
         refused(run_bounded(command, path, seconds=10), "tensor w", "300 dimensions", "2**63")
 
 
-# -- item 25: .npz member names that escape -------------------------------------------------------------
+# -- .npz member names that escape ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["../../x", "/etc/x", "a/../../x", "a\\..\\..\\x", "C:x", "a\x00b"])
@@ -258,7 +258,7 @@ def test_npz_member_names_that_escape_are_refused(tmp_path: Path, name: str) -> 
         assert z.namelist() == ["ok/w.npy"]
 
 
-# -- item 9: many shards, many tensors -------------------------------------------------------------------
+# -- Many shards, many tensors ---------------------------------------------------------------------------
 
 
 def test_an_index_of_many_shards_is_grouped_once(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import pickle
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -18,9 +19,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from tests.test_cli import js, ok, run
+from tests.helpers import ROOT, SAMPLES, digest, js, ok, run
 
-DATA = Path(__file__).resolve().parent / "data" / "torch"
+DATA = ROOT / "tests" / "data" / "torch"
 CORPUS = sorted(p for p in DATA.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
 # what .safetensors cannot hold (complex128) and what has no values (skipped), left out of conversions
 NOT_CONVERTIBLE = {"cplx128"}
@@ -284,6 +285,17 @@ def test_pytorch_shards_clip_to_one_file_and_are_never_written(tmp_path):
             assert "does not write them" in result.output
     assert not (tmp_path / "dir").exists()
     assert {p.name: p.read_bytes() for p in SHARDED.iterdir()} == before
+
+
+def test_clipping_a_pytorch_file_in_place_is_refused_and_leaves_it(tmp_path):
+    # found by a fresh user (second review): --in-place on a PyTorch file (clipcli writes none) must be refused
+    path = tmp_path / "pytorch_model.bin"
+    shutil.copy(SAMPLES / "pytorch_model.bin", path)
+    before = digest(path)
+    result = run("clip-value", path, "--in-place", "--min", "-1", "--max", "1")
+    assert result.exit_code == 2
+    assert "--in-place" in result.stderr and "does not write them; give -o OUT.safetensors" in result.stderr
+    assert digest(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_model.bin"]
 
 
 def test_a_directory_with_both_kinds_of_shards_reads_the_safetensors_and_loose_files_never_win(tmp_path):

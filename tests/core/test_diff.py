@@ -18,7 +18,7 @@ import clipcli
 from clipcli import core
 from clipcli.core import BLOCK, DiffAccumulator, DiffStats, NormAccumulator, diff
 
-F32, F64, BF16 = np.float32, np.float64, ml_dtypes.bfloat16
+F32, F64, BF16, F16 = np.float32, np.float64, ml_dtypes.bfloat16, np.float16
 
 
 SCALE = 1074  # every float64 value times 2**1074 is an integer
@@ -577,3 +577,58 @@ def test_blocks_scaled_for_one_side_only():
     s = diff(a, b)
     assert s.dot == 0.75 * 2.0**700 - 0.5 * 2.0**699 + 3e-300
     assert s.cosine == pytest.approx(reference(a, b)["cosine"], abs=1e-15)
+
+
+def small_pairs(seed: int, da, db, specials: bool, n: int = 40):
+    """Pairs of small tensors lying one after another: values of several scales, some pairs equal."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 300, n).tolist()
+    scale = 10.0 ** rng.integers(-30, 30, n).repeat(sizes) if da == db == F64 else 1.0
+    a = (rng.standard_normal(sum(sizes)) * scale).astype(da)
+    b = (a.astype(F64) * (1 + rng.choice([0, 1e-3, 1], sum(sizes)) * rng.standard_normal(sum(sizes)))).astype(db)
+    starts = np.cumsum(sizes) - sizes
+    b[starts[0] : starts[0] + sizes[0]] = a[starts[0] : starts[0] + sizes[0]]  # an equal pair
+    if specials:
+        a[starts[1]], b[starts[2] + 1], a[starts[3]], b[starts[3]] = np.nan, np.inf, np.nan, np.nan
+        if da == db == F64:
+            a[starts[4]], b[starts[4]] = 1.5e308, -1.5e308  # a difference beyond float64
+    return a, b, sizes
+
+
+@pytest.mark.parametrize("p", [2, 1, 3, np.inf])
+@pytest.mark.parametrize(("da", "db"), [(F32, F32), (F64, F64), (BF16, BF16), (F16, F16), (F32, BF16)])
+@pytest.mark.parametrize("specials", [False, True])
+def test_small_pairs_measured_together_give_each_pairs_own_bits(p, da, db, specials):
+    # found measuring many tiny pairs: a DiffAccumulator each cost too much; `small_diffs` measures a run of them
+    # in a few NumPy passes, and must give every figure of each pair's own accumulator, bit for bit
+    a, b, sizes = small_pairs(hash((p, str(da), str(db), specials)) % 2**32, da, db, specials)
+    s = core.small_diffs(a, b, sizes, p)
+    alone, total = [], core.DiffAccumulator(p)
+    for start, n in zip(np.cumsum(sizes) - sizes, sizes, strict=True):
+        acc = core.DiffAccumulator(p)
+        acc.add(a[start : start + n], b[start : start + n])
+        alone.append(acc)
+        total.merge(acc)
+    assert repr(s.figures()) == repr([acc.result().figures() for acc in alone])
+    assert all(repr(s.accumulator(j).result()) == repr(acc.result()) for j, acc in enumerate(alone))
+    merged = core.DiffAccumulator(p)
+    s.merge_into(merged)
+    assert repr(merged.result()) == repr(total.result())
+    assert repr(s.shares_of(total)) == repr([acc.share_of(total) for acc in alone])
+
+
+def test_rel_and_cosine_roots_in_double_double_are_the_exact_ones():
+    # rel and cosine of many small pairs are rounded from double-double quotients where that is certain; they must
+    # be the correctly rounded roots of the exact sums' quotients
+    rng = np.random.default_rng(3)
+    n = 20_000
+    a, b, c, d = (rng.random((4, n)) + 0.5) * np.exp2(rng.integers(-100, 100, (4, n)))
+    b[: n // 2] = a[: n // 2]  # (Σab)² over Σa²Σb²: a square over a product
+    c[n // 4 :] = a[n // 4 :] * (1 + rng.standard_normal(n - n // 4) * 1e-9)  # nearly 1: cosines of close pairs
+    sure, roots = core._sqrt_quotients(a, b, c, d)
+    assert sure.mean() > 0.99
+    for j in np.flatnonzero(sure).tolist():
+        terms = [core._int_term(float(x[j]), 0) for x in (a, b, c, d)]
+        (na, ea), (nb, eb), (nc, ec), (nd, ed) = terms
+        exact = core._ldexp(*core._root(*core._int_quotient(na * nb, ea + eb, nc * nd, ec + ed), 2.0))
+        assert roots[j] == exact, (a[j], b[j], c[j], d[j])

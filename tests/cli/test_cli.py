@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from decimal import Decimal, getcontext
 from fractions import Fraction
 from pathlib import Path
 
@@ -17,72 +18,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from typer.testing import CliRunner
+from safetensors.numpy import load_file
 
 from clipcli import commands, core, report
 from clipcli.checkpoint import open_checkpoint
-from clipcli.cli import app
-from tests.conftest import st_bytes, st_read
-
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "samples"
-GOLDEN = Path(__file__).resolve().parent / "golden"
-ENV = {"NO_COLOR": "1", "COLUMNS": "100", "TERMINAL_WIDTH": "100"}
-NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64, "F64": np.float64}
-
-
-WIDE = {"NO_COLOR": "1", "COLUMNS": None, "TERMINAL_WIDTH": None}  # not a terminal, no width: no folding
-
-
-def run(*args: object, env=None):
-    result = CliRunner().invoke(app, [str(a) for a in args], env=env or ENV)
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result
-
-
-def ok(*args: object):
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def js(*args: object) -> dict:
-    return json.loads(ok(*args, "--format", "json").stdout)
-
-
-def reference(path: Path) -> dict[str, np.ndarray]:
-    """The tensors as the safetensors library reads them (bf16 bytes viewed through ml_dtypes)."""
-    return {n: np.frombuffer(data, NP_DTYPES[dt]).reshape(shape) for n, (dt, shape, data) in st_read(path).items()}
-
-
-def fnorm(arrays, p=2.0) -> float:
-    """A float64 p-norm of all values (math.fsum: exact up to the final rounding for p = 2)."""
-    values = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
-    if math.isinf(p):
-        return float(np.abs(values).max())
-    if p == 2:
-        return math.sqrt(math.fsum(values * values))
-    return math.fsum(np.abs(values) ** p) ** (1 / p)
-
-
-@pytest.fixture
-def grads(tmp_path) -> Path:
-    path = tmp_path / "grads.safetensors"
-    shutil.copy(SAMPLES / "grads.safetensors", path)
-    return path
-
-
-@pytest.fixture
-def sharded(tmp_path) -> Path:
-    shutil.copytree(SAMPLES / "sharded", tmp_path / "sharded")
-    return tmp_path / "sharded"
-
-
-def write_st(path: Path, tensors: dict[str, np.ndarray], metadata=None) -> Path:
-    path.write_bytes(st_bytes(tensors, metadata))
-    return path
-
+from tests.helpers import (
+    ENV,
+    GOLDEN,
+    SAMPLES,
+    WIDE,
+    digest,
+    fnorm,
+    js,
+    npz_arrays,
+    ok,
+    reference,
+    run,
+    st_bytes,
+    write_st,
+)
 
 # --- global-norm ------------------------------------------------------------------------------------
 
@@ -139,6 +93,31 @@ def test_depth_groups(grads):
     assert [g["name"] for g in top["groups"]] == ["model.layers.1", "model.layers.0"] and top["group_count"] == 4
 
 
+def test_depth_groups_and_the_global_norm_in_csv():
+    # found trying clipcli as a new user: --depth's groups and the global row were missing from CSV
+    lines = ok("global-norm", SAMPLES / "grads.safetensors", "--depth", "3", "--format", "csv").stdout.splitlines()
+    kinds = [line.rsplit(",", 1)[1] for line in lines[1:]]
+    assert kinds == ["tensor"] * 16 + ["group"] * 4 + ["global"]
+    groups = {line.split(",")[1]: float(line.split(",")[4]) for line in lines if line.endswith(",group")}
+    assert set(groups) == {"model.embed_tokens.weight", "model.layers.0", "model.layers.1", "model.norm.weight"}
+    assert math.sqrt(sum(g * g for g in groups.values())) == pytest.approx(145.376, rel=1e-5)
+
+
+def test_depth_in_the_table_of_several_checkpoints():
+    # found trying clipcli as a new user: --depth did not group the table of several checkpoints
+    out = ok("global-norm", SAMPLES / "grads.safetensors", SAMPLES / "grads.npz", "--depth", "3").stdout
+    assert out.count("model.layers.1 ") == 2 and f"{SAMPLES / 'grads.npz'}: groups" in out
+
+
+def test_groups_cut_by_top_say_how_many_there_are(steps):
+    # found by a fresh user (second review): --top cutting the groups of --depth did not say how many groups there were
+    a, b = steps
+    text = ok("global-norm", a, "--depth", "3", "--top", "2").stdout
+    assert "showing 2 of 3 groups" in text
+    assert "of 3 groups" not in ok("global-norm", a, "--depth", "3", "--top", "3").stdout
+    assert "showing 2 of 3 groups" in ok("diff", a, b, "--depth", "3", "--top", "2").stdout
+
+
 def test_sort_and_top_keep_the_global_norm(grads):
     full = js("global-norm", grads)["checkpoints"][0]
     (c,) = js("global-norm", grads, "--sort", "norm", "--top", "3")["checkpoints"]
@@ -149,6 +128,28 @@ def test_sort_and_top_keep_the_global_norm(grads):
     assert [t["name"] for t in by_name] == sorted(t["name"] for t in full["tensors"])
     by_size = js("global-norm", grads, "--sort", "size", "--top", "1")["checkpoints"][0]["tensors"]
     assert by_size[0]["name"] == "model.embed_tokens.weight"
+
+
+def test_summary_line_covers_all_tensors_under_top_and_sort():
+    # found trying clipcli as a new user: the summary line covered only the tensors --top showed
+    table = ok("global-norm", SAMPLES / "grads.safetensors", "--top", "2", "--sort", "size").stdout
+    first = table.splitlines()[0]
+    assert "over 16 tensors, 1 skipped" in first
+    assert "largest share: model.layers.1.mlp.up_proj.weight (25.0%)" in first
+    assert table.splitlines()[1] == "showing 2 of 16 tensors"
+
+
+def test_sort_and_top_for_inspect_and_the_clip_commands(grads):
+    # found trying clipcli as a new user: --sort and --top were missing from inspect and the clip commands
+    (c,) = js("inspect", grads, "--sort", "size", "--top", "2")["checkpoints"]
+    assert [t["nbytes"] for t in c["tensors"]] == [32768, 16384]  # ties keep the file's order
+    assert [t["name"] for t in c["tensors"]] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert c["tensor_count"] == 17
+    (c,) = js("clip-norm", grads, "--dry-run", "--clip-norm", "1", "--sort", "norm", "--top", "3")["checkpoints"]
+    assert c["tensors"][0]["name"] == "model.layers.1.mlp.up_proj.weight"
+    assert len(c["tensors"]) == 3 and c["tensor_count"] == 16
+    table = ok("clip-value", grads, "--dry-run", "--min", "0", "--max", "1", "--top", "1").stdout
+    assert "over 16 tensors" in table and "showing 1 of 16 tensors" in table
 
 
 def test_include_exclude_globs(grads):
@@ -162,6 +163,36 @@ def test_include_exclude_globs(grads):
     assert reasons["model.layers.0.mlp.up_proj.weight"] == "excluded by --exclude"
     ref = reference(grads)
     assert c["global_norm"] == pytest.approx(fnorm([ref[n] for n in names]), rel=1e-15)
+
+
+def test_a_typo_in_include_is_a_usage_error_naming_the_pattern_and_some_names(grads):
+    # found trying clipcli as a new user: a typo in --include selected nothing, and the gates passed
+    result = run("global-norm", grads, "--include", "Model.*", "--fail-above", "1", "--fail-nonfinite")
+    assert result.exit_code == 2
+    assert "Usage: clipcli global-norm" in result.stderr
+    assert (
+        f"Invalid value for --include: {grads}: no tensor matches 'Model.*'; its tensors include "
+        "model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, "
+        "model.layers.0.self_attn.k_proj.weight (17 in all)"
+    ) in " ".join(result.stderr.split())
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["inspect", "global-norm"])
+def test_an_exclude_that_leaves_nothing_is_a_usage_error(grads, command):
+    # found trying clipcli as a new user: an --exclude that left nothing selected was not a usage error
+    result = run(command, grads, "--exclude", "*")
+    assert result.exit_code == 2 and "--exclude '*' leaves no tensor selected" in result.stderr
+
+
+def test_a_pattern_that_matches_nothing_is_warned_of(steps):
+    # found by a fresh user (second review): an --include or --exclude pattern matching no tensor passed in silence
+    a, b = steps
+    result = run("global-norm", a, "--include", "*embed*", "--include", "nomatch*", "--quiet")
+    assert result.exit_code == 0 and result.stderr == "clipcli: warning: --include 'nomatch*' matches no tensor\n"
+    result = run("diff", a, b, "--exclude", "typo*", "--quiet")
+    assert result.exit_code == 0 and result.stderr == "clipcli: warning: --exclude 'typo*' matches no tensor\n"
+    assert run("global-norm", a, "--include", "*", "--quiet").stderr == ""
 
 
 def test_csv_report(grads):
@@ -184,6 +215,21 @@ def test_several_checkpoints_give_one_summary_row_each(grads, sharded):
     assert [line.split()[0] for line in out[1:]] == [str(grads), str(sharded)]
 
 
+def test_several_checkpoints_summary_rows_cover_hidden_tensors(tmp_path):
+    # found trying clipcli as a new user: several checkpoints' summary rows left out the tensors --top hid
+    src = write_st(
+        tmp_path / "bad.safetensors",
+        {"a": np.ones(4, np.float32), "hidden": np.array([np.nan, 5.0, np.inf], np.float32)},
+    )
+    lines = run("global-norm", SAMPLES / "grads.safetensors", src, "--top", "1", "--sort", "name", env=WIDE)
+    rows = {line.split()[0]: line.split()[1:] for line in lines.stdout.splitlines()[1:]}
+    assert rows[str(SAMPLES / "grads.safetensors")] == ["145.376", "16", "1", "3.87341", "0", "0"]
+    assert rows[str(src)] == ["nan", "2", "0", "inf", "1", "1"]
+    out = js("global-norm", src, "--top", "1", "--sort", "name")["checkpoints"][0]
+    assert (out["tensor_count"], out["max_abs"], out["nan"], out["inf"]) == (2, "inf", 1, 1)
+    assert [t["name"] for t in out["tensors"]] == ["a"]
+
+
 def test_fail_above(grads):
     g = js("global-norm", grads)["checkpoints"][0]["global_norm"]
     assert run("global-norm", grads, "--fail-above", g).exit_code == 0
@@ -191,6 +237,17 @@ def test_fail_above(grads):
     assert result.exit_code == 1
     assert result.stdout == ""
     assert result.stderr == f"clipcli: error: {grads}: global norm {g!r} exceeds --fail-above 100\n"
+
+
+def test_every_checkpoint_that_fails_the_gate_is_named(steps):
+    # found by a fresh user (second review): of several checkpoints that failed a gate, one was named
+    a, b = steps
+    both = run("global-norm", a, b, "--fail-above", "0.1", "--quiet")
+    assert both.exit_code == 1
+    assert both.stderr.count("\n") == 1 and "2 of 2 checkpoints fail their gates" in both.stderr
+    assert f"{a}: global norm" in both.stderr and f"{b}: global norm" in both.stderr
+    one = run("global-norm", a, b, "--fail-above", "6.088", "--quiet")  # |a| 6.08767, |b| 6.0893
+    assert one.exit_code == 1 and one.stderr.startswith(f"clipcli: error: {b}: global norm 6.0893")
 
 
 @pytest.fixture
@@ -211,6 +268,15 @@ def test_fail_above_on_a_norm_that_is_not_finite(nonfinite):
     assert result.stderr == f"clipcli: error: {nonfinite}: global norm is nan, not finite (--fail-above 1e30)\n"
 
 
+def test_a_gate_on_a_checkpoint_without_floating_tensors_is_a_usage_error(tmp_path):
+    # found trying clipcli as a new user: a gate on a checkpoint without floating tensors passed, with nothing to check
+    src = write_st(tmp_path / "ints.safetensors", {"step": np.array(3, np.int64)})
+    assert ok("global-norm", src).stdout.startswith(f"{src}: global norm 0 over 0 tensors, 1 skipped")
+    for gate in (["--fail-above", "1"], ["--fail-nonfinite"]):
+        result = run("global-norm", src, *gate)
+        assert result.exit_code == 2 and "the gate has nothing to check" in result.stderr
+
+
 def test_fail_nonfinite(nonfinite, grads):
     assert run("global-norm", grads, "--fail-nonfinite").exit_code == 0
     result = run("global-norm", nonfinite, "--fail-nonfinite")
@@ -225,6 +291,13 @@ def test_fail_nonfinite(nonfinite, grads):
         (2, 1, "nan", "inf"),
         (0, 1, "inf", "inf"),
     ]
+
+
+def test_fail_nonfinite_sees_tensors_that_top_hides(tmp_path):
+    # found trying clipcli as a new user: --fail-nonfinite passed on a NaN in a tensor that --top hid
+    src = write_st(tmp_path / "bad.safetensors", {"a": np.ones(4, np.float32), "z": np.array([np.nan], np.float32)})
+    result = run("global-norm", src, "--top", "1", "--sort", "name", "--fail-nonfinite", "--quiet")
+    assert (result.exit_code, result.stderr) == (1, f"clipcli: error: {src}: tensor z: holds 1 NaN value\n")
 
 
 def test_quiet_prints_nothing(grads):
@@ -266,6 +339,25 @@ def test_inspect_does_not_read_tensor_data(tmp_path):
         f.truncate(8 + len(raw) + (1 << 30))
     (c,) = js("inspect", path)["checkpoints"]
     assert c["tensors"][0]["nbytes"] == 1 << 30
+
+
+def test_inspect_shows_element_counts_and_the_parameter_count():
+    # found trying clipcli as a new user: inspect showed no element counts and no parameter count
+    out = ok("inspect", SAMPLES / "grads.safetensors").stdout.splitlines()
+    tensors = reference(SAMPLES / "grads.safetensors").values()
+    total, size = sum(a.size for a in tensors), sum(a.nbytes for a in tensors) / 1024
+    assert out[0] == f"{SAMPLES / 'grads.safetensors'}: safetensors, 17 tensors, {total:,} parameters, {size:.1f} KiB"
+    assert out[3].split()[:5] == ["tensor", "dtype", "shape", "elements", "size"]
+    assert out[4].split()[3] == "16,384"  # 256 x 64
+
+
+def test_blank_line_between_inspected_checkpoints_and_no_trailing_spaces():
+    # found trying clipcli as a new user: inspected checkpoints ran together, and lines kept trailing spaces
+    out = ok("inspect", SAMPLES / "grads.safetensors", SAMPLES / "grads.npz").stdout
+    assert f"\n\n{SAMPLES / 'grads.npz'}: npz, 17 tensors" in out
+    for args in (["inspect"], ["global-norm", "--depth", "2"], ["clip-norm", "--dry-run", "--clip-norm", "1"]):
+        for line in ok(*args, SAMPLES / "grads.safetensors").stdout.splitlines():
+            assert line == line.rstrip(), (args, line)
 
 
 # --- clip-global-norm -------------------------------------------------------------------------------
@@ -363,6 +455,63 @@ def test_clip_to_npz_converts_and_refuses_bfloat16(grads, tmp_path):
         assert reference(tmp_path / "o.safetensors")["step"] == z["step"]
 
 
+def test_a_huge_clip_norm_over_a_tiny_norm_warns_of_nothing(steps):
+    # found by a fresh user (third review): a huge --clip-norm over a tiny norm printed a RuntimeWarning
+    a, _ = steps
+    result = run("clip-global-norm", a, "--dry-run", "--clip-norm", "1e308", "--use-norm", "1e-308")
+    assert result.exit_code == 0 and result.stderr == ""
+
+
+@pytest.fixture
+def huge(tmp_path) -> Path:
+    """Like SciPy's special/tests/data/local.npz: finite float64 values near 1e308 (global norm > 1.8e308)."""
+    path = tmp_path / "local.npz"
+    rng = np.random.default_rng(1)
+    np.savez_compressed(
+        path,
+        ellipkinc_neg_m=np.concatenate([np.full(40, 1e308), rng.standard_normal(100)]).reshape(20, 7),
+        gammainc=rng.uniform(0, 1e14, (30, 3)),
+    )
+    return path
+
+
+def exact_global_norm(arrays) -> Fraction:
+    """The square of the global norm, exactly."""
+    return sum((Fraction(float(x)) ** 2 for a in arrays for x in np.ravel(a)), Fraction(0))
+
+
+def test_clip_global_norm_of_finite_values_beyond_float64_scales_by_the_exact_norm(huge, tmp_path):
+    # found on a real file of another project: SciPy's local.npz (a global norm beyond float64) was clipped into NaNs
+    out = tmp_path / "clipped.npz"
+    (c,) = js("clip-global-norm", huge, "-o", out, "--clip-norm", "1")["checkpoints"]
+    assert c["global_norm"] == "inf"  # too large for float64, as the report says
+    arrays = npz_arrays(huge)
+    square = exact_global_norm(arrays.values())
+    scale = c["scale"]
+    assert math.isfinite(scale) and scale > 0
+    assert abs(Fraction(scale) ** 2 * square - 1) < Fraction(1, 10**14)  # scale = 1 / the exact norm
+    clipped = npz_arrays(out)
+    getcontext().prec = 60
+    norm = Decimal(square.numerator).sqrt() / Decimal(square.denominator).sqrt()
+    for name, before in arrays.items():
+        assert np.isfinite(clipped[name]).all()
+        # each x / the exact norm, to 2 ulps (the scale, 5.6e-310, keeps its 53 bits: a subnormal float64
+        # would hold 44, and 1e-300-ish scales none)
+        expected = np.array([float(Decimal(float(x)) / norm) for x in before.ravel()]).reshape(before.shape)
+        np.testing.assert_array_max_ulp(clipped[name], expected, maxulp=2)
+    assert c["global_norm_after"] == pytest.approx(1.0, rel=1e-14)
+
+
+def test_nothing_is_ever_written_with_a_nan_scale(grads, tmp_path, monkeypatch):
+    # found trying clipcli as a new user: a global norm beyond float64 gave a NaN scale, and NaNs were written
+    monkeypatch.setattr(core, "stats_clip_scale", lambda stats, clip: math.nan)
+    out = tmp_path / "o.safetensors"
+    result = run("clip-global-norm", grads, "-o", out, "--clip-norm", "1")
+    assert result.exit_code == 1
+    assert result.stderr == f"clipcli: error: {grads}: the clip scale is not a number; refusing to write NaN values\n"
+    assert not out.exists()
+
+
 # --- clip-norm --------------------------------------------------------------------------------------
 
 
@@ -448,6 +597,64 @@ def test_clip_norm_across_rows_holds_no_whole_tensor(tmp_path):
     assert reference(tmp_path / "o.safetensors")["w"].tobytes() == core.clip_by_norm(t, 1.0, 0).tobytes()
 
 
+def test_axes_that_fit_no_tensor_are_a_usage_error(steps, tmp_path):
+    # found by a fresh user (second review): --axes that fit no selected tensor skipped them all, no usage error
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    result = run("clip-norm", a, "-o", out, "--clip-norm", "1", "--axes", "0,1,2")
+    assert result.exit_code == 2
+    assert "--axes 0,1,2 fits no selected tensor" in result.stderr and "rank 2 is too small" in result.stderr
+    assert not out.exists()
+
+
+def test_an_axis_named_twice_is_the_reason_given(tmp_path):
+    # found by a fresh user (second review): a tensor skipped for an axis named twice did not say why
+    rng = np.random.default_rng(2)
+    path = write_st(
+        tmp_path / "t.safetensors",
+        {
+            "flat": rng.standard_normal((4, 6)).astype(np.float32),
+            "cube": rng.standard_normal((2, 3, 4)).astype(np.float32),
+        },
+    )
+    (c,) = js("clip-norm", path, "--dry-run", "--clip-norm", "1", "--axes", "1,-1")["checkpoints"]
+    assert c["skipped"] == [
+        {"name": "flat", "dtype": "float32", "reason": "--axes 1,-1 names one axis twice for rank 2"}
+    ]
+    assert [t["name"] for t in c["tensors"]] == ["cube"]
+
+
+def test_clip_norm_of_a_tensor_whose_norm_overflows_float64_is_finite(huge, tmp_path):
+    # found on a real file of another project: a tensor whose norm overflows float64 was clipped into NaNs
+    out = tmp_path / "clipped.npz"
+    (c,) = js("clip-norm", huge, "-o", out, "--clip-norm", "2")["checkpoints"]
+    rows = {t["name"]: t for t in c["tensors"]}
+    assert rows["ellipkinc_neg_m"]["norm"] == "inf"
+    assert rows["ellipkinc_neg_m"]["norm_after"] == pytest.approx(2.0, rel=1e-14)
+    assert all(np.isfinite(a).all() for a in npz_arrays(out).values())
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npy"])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("axes", ["-1", "1", "2", "0", "0,2"])
+def test_clip_norm_along_axes_of_a_tensor_with_a_zero_length_dimension(tmp_path, suffix, dtype, axes):
+    # found trying clipcli as a new user: clip-norm --axes failed on a tensor with a zero-length dimension
+    if suffix == ".npy" and dtype is ml_dtypes.bfloat16:
+        pytest.skip(".npy has no bfloat16")
+    empty = np.zeros((4, 0, 2), dtype)
+    src = tmp_path / f"z{suffix}"
+    if suffix == ".npy":
+        np.save(src, empty)
+    else:
+        write_st(src, {"z": empty, "w": np.ones((3, 1, 2), dtype)})
+    out = tmp_path / f"o{suffix}"
+    result = run("clip-norm", src, "-o", out, "--clip-norm", "1", "--axes", axes)
+    assert result.exit_code == 0, result.output
+    got = np.load(out) if suffix == ".npy" else reference(out)["z"]
+    assert got.shape == (4, 0, 2)
+    np.testing.assert_array_equal(core.clip_by_norm(empty, 1.0, axes=tuple(map(int, axes.split(",")))), got)
+
+
 # --- clip-value -------------------------------------------------------------------------------------
 
 
@@ -471,6 +678,13 @@ def test_clip_value_rounds_bounds_to_each_dtype(tmp_path):
 
 def test_clip_value_help_says_bounds_are_rounded():
     assert "0.10009765625" in ok("clip-value", "--help").stdout
+
+
+def test_clip_reports_max_abs_after(grads, tmp_path):
+    # found trying clipcli as a new user: the clip reports did not give the largest magnitude after the clip
+    (c,) = js("clip-value", grads, "-o", tmp_path / "o.safetensors", "--min", "-0.01", "--max", "0.01")["checkpoints"]
+    assert all(t["max_abs_after"] <= 0.010009765625 for t in c["tensors"])
+    assert c["max_abs_after"] == max(t["max_abs_after"] for t in c["tensors"])
 
 
 # --- Writing: --dry-run, --in-place, --report, the input protected ------------------------------------
@@ -515,6 +729,110 @@ def test_output_is_deterministic(grads, tmp_path):
     assert first.stdout.replace("a.safetensors", "b.safetensors") == second.stdout
 
 
+@pytest.mark.parametrize("over", ["input", "output"])
+def test_the_report_is_never_written_over_a_checkpoint(steps, tmp_path, over):
+    # found by a fresh user (second review): --report could name the input or the output and overwrite a checkpoint
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    before = digest(a)
+    report = a if over == "input" else out
+    result = run("clip-value", a, "-o", out, "--report", report, "--min", "-0.1", "--max", "0.1")
+    assert result.exit_code == 4
+    assert "refusing to write the report over a checkpoint" in result.stderr
+    assert digest(a) == before and not out.exists()
+
+
+def test_convert_over_its_input_says_to_write_elsewhere(steps):
+    # found by a fresh user (second review): convert over its own input did not say to write elsewhere
+    a, _ = steps
+    before = digest(a)
+    result = run("convert", a, "-o", a)
+    assert result.exit_code == 4 and "refusing to overwrite the input (write to another path)" in result.stderr
+    assert digest(a) == before
+
+
+@pytest.fixture
+def with_metadata(tmp_path) -> Path:
+    rng = np.random.default_rng(5)
+    tensors = {"w": rng.standard_normal((8, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+    return write_st(tmp_path / "m.safetensors", tensors, {"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert"],
+        ["clip-value", "--min", "-0.5", "--max", "0.5"],
+        ["clip-norm", "--clip-norm", "1"],
+        ["clip-global-norm", "--clip-norm", "1"],
+    ],
+)
+def test_metadata_into_npz_is_refused_unless_dropped(with_metadata, tmp_path, args):
+    # found by a fresh user (second review): a clip into .npz dropped the metadata silently (convert refused it)
+    command, *options = args
+    out = tmp_path / "out.npz"
+    result = run(command, with_metadata, "-o", out, *options)
+    assert result.exit_code == 3
+    assert "the metadata (1 entry: format) has no place in an .npz" in result.stderr
+    assert "--drop-metadata" in result.stderr and not out.exists()
+    ok(command, with_metadata, "-o", out, *options, "--drop-metadata")
+    reference = load_file(with_metadata)
+    with np.load(out) as z:
+        assert sorted(z.files) == sorted(reference)
+        if command == "convert":
+            for name, values in reference.items():
+                np.testing.assert_array_equal(z[name], values)
+
+
+@pytest.mark.parametrize("where", ["missing/r.json", "a directory"])
+def test_a_report_that_cannot_be_written_is_found_before_the_output_is(steps, tmp_path, where):
+    # found by a fresh user (third review): an unwritable --report failed only after the output was written
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"old")
+    report = tmp_path / where
+    if where == "a directory":
+        report.mkdir()
+    result = run("clip-global-norm", a, "-o", out, "--clip-norm", "1", "--report", report)
+    assert result.exit_code == 4 and out.read_bytes() == b"old"
+    result = run("convert", a, "-o", tmp_path / "c.safetensors", "--report", report)
+    assert result.exit_code == 4 and not (tmp_path / "c.safetensors").exists()
+
+
+def test_an_npy_output_that_would_rename_the_tensor_is_refused(tmp_path):
+    # found by a fresh user (third review): an .npy output not named after its tensor lost the tensor's name
+    src = write_st(tmp_path / "small.safetensors", {"x": np.arange(3, dtype=np.float32)})
+    result = run("convert", src, "-o", tmp_path / "s.npy")
+    assert result.exit_code == 3 and "an .npy holds no name: tensor 'x' would be read back as 's'" in result.stderr
+    assert not (tmp_path / "s.npy").exists()
+    ok("convert", src, "-o", tmp_path / "x.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), np.arange(3, dtype=np.float32))
+    ok("clip-value", tmp_path / "x.npy", "-o", tmp_path / "y.npy", "--min", "0", "--max", "1")  # .npy to .npy
+
+
+def test_shards_of_another_layout_in_the_output_directory_are_refused(tmp_path):
+    # found by a fresh user (third review): shards of another layout were left beside the new ones in the output
+    out = tmp_path / "shards"
+    ok("convert", SAMPLES / "grads.safetensors", "-o", f"{out}/", "--max-shard-size", "50KB")
+    before = {p.name: digest(p) for p in out.iterdir()}
+    result = run("convert", SAMPLES / "grads.safetensors", "-o", f"{out}/", "--max-shard-size", "1MB")
+    assert result.exit_code == 4 and "which this write would leave beside its own shards" in result.stderr
+    assert {p.name: digest(p) for p in out.iterdir()} == before
+    ok("convert", SAMPLES / "grads.safetensors", "-o", f"{out}/", "--max-shard-size", "50KB")  # the same layout
+
+
+def test_a_report_in_a_directory_that_is_not_writable_is_refused_first(steps, tmp_path, monkeypatch):
+    # found after the third review: a --report into a directory clipcli may not write was found after the output
+    a, _ = steps
+    out = tmp_path / "out.safetensors"
+    report_dir = tmp_path / "locked"
+    report_dir.mkdir()
+    real = os.access  # root may write anywhere: the directory is made unwritable to clipcli's eyes
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != report_dir and real(p, mode))
+    result = run("clip-value", a, "-o", out, "--min", "0", "--max", "1", "--report", report_dir / "r.json")
+    assert result.exit_code == 4 and "is not writable" in result.stderr and not out.exists()
+
+
 # --- Usage errors (2), before any file is read ------------------------------------------------------
 
 
@@ -550,6 +868,53 @@ def test_usage_errors_exit_2_before_reading(args):
     assert result.exit_code == 2, result.output
     assert "Usage: clipcli" in result.output
     assert "no such file" not in result.output
+
+
+@pytest.mark.parametrize(("command", "gate"), [("global-norm", "--fail-above"), ("diff", "--fail-rel-above")])
+def test_a_negative_threshold_is_a_usage_error(steps, command, gate):
+    # found by a fresh user (second review): a negative --fail-above or --fail-rel-above was accepted
+    a, b = steps
+    paths = [a] if command == "global-norm" else [a, b]
+    result = run(command, *paths, gate, "-1")
+    assert result.exit_code == 2 and "must be a number >= 0" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["clip-global-norm", "--clip-norm", "1"],
+        ["clip-norm", "--clip-norm", "1"],
+        ["clip-value", "--min", "0", "--max", "1"],
+    ],
+)
+def test_a_clip_with_nothing_selected_writes_nothing_and_exits_2(grads, tmp_path, args):
+    # found trying clipcli as a new user: a clip with nothing selected (a typo in --include) was not a usage error
+    out = tmp_path / "o.safetensors"
+    for selection in (["--include", "Model.*"], ["--include", "step"]):
+        result = run(args[0], grads, "-o", out, *args[1:], *selection)
+        assert result.exit_code == 2, result.output
+        assert not out.exists()
+    assert "no real floating tensor is selected" in result.stderr or "no floating" in result.stderr
+
+
+@pytest.mark.parametrize("target", ["out.txt", "-", "/dev/full", "out.pt5"])
+def test_an_output_that_names_no_format_is_a_usage_error(grads, tmp_path, target):
+    # found trying clipcli as a new user: an -o naming no format (out.txt, -) was not a usage error
+    path = target if target.startswith("/") or target == "-" else str(tmp_path / target)
+    result = run("clip-global-norm", grads, "-o", path, "--clip-norm", "5")
+    assert result.exit_code == 2, result.output
+    assert "Usage:" in result.stderr and "Invalid value for -o" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.safetensors"]
+
+
+def test_a_sharded_input_does_not_make_a_directory_named_out_txt(tmp_path):
+    # found trying clipcli as a new user: a sharded input clipped to -o out.txt made a directory named out.txt
+    shutil.copytree(SAMPLES / "sharded", tmp_path / "sharded")
+    result = run("clip-global-norm", tmp_path / "sharded", "-o", tmp_path / "out.txt", "--clip-norm", "5")
+    assert result.exit_code == 2 and "unknown output format '.txt'" in result.stderr
+    assert not (tmp_path / "out.txt").exists()
+    ok("clip-global-norm", tmp_path / "sharded", "-o", f"{tmp_path / 'out.d'}/", "--clip-norm", "5", "--quiet")
+    assert (tmp_path / "out.d" / "model.safetensors.index.json").exists()
 
 
 # --- Unreadable input (3), write failures (4), bugs (70), interrupts (130) ----------------------------
@@ -607,6 +972,20 @@ def test_interrupt_exits_130(grads, monkeypatch):
     monkeypatch.setattr(commands, "clip_global_norm", interrupted)
     result = run("clip-global-norm", grads, "-o", grads.parent / "o.safetensors", "--clip-norm", "1")
     assert (result.exit_code, result.stderr) == (130, "clipcli: interrupted\n")
+
+
+def test_a_checkpoint_on_a_pipe_is_refused_with_what_to_do():
+    # found by a fresh user (second review): a checkpoint on a pipe got no message saying what to do
+    with open(SAMPLES / "grads.safetensors", "rb") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "clipcli", "global-norm", "/dev/stdin"],
+            env=ENV,
+            capture_output=True,
+            check=False,
+            input=f.read(),
+        )
+    assert done.returncode == 3
+    assert b"not a regular file (a pipe or a device?)" in done.stderr and b"save it to a file first" in done.stderr
 
 
 # --- The JSON report ----------------------------------------------------------------------------------
@@ -719,6 +1098,60 @@ def test_names_are_text_never_markup_and_never_truncated(tmp_path):
     assert "…" not in table
     wide = run("global-norm", src, env=WIDE).stdout
     assert long in wide  # not a terminal and no COLUMNS: one line per row, however long
+
+
+@pytest.mark.parametrize("columns", ["40", "60", "80", None])
+def test_names_are_never_wrapped_at_any_width(columns):
+    # found trying clipcli as a new user: a narrow terminal wrapped tensor names over two lines
+    env = {**ENV, "COLUMNS": columns, "TERMINAL_WIDTH": columns}
+    names = [n for n in reference(SAMPLES / "grads.safetensors") if n != "step"]
+    for args in (["global-norm"], ["inspect"], ["clip-norm", "--dry-run", "--clip-norm", "1"]):
+        lines = run(*args, SAMPLES / "grads.safetensors", env=env).stdout.splitlines()
+        for name in names:
+            assert any(line.startswith(name + " ") for line in lines), (args, name)
+    piped = subprocess.run(
+        [sys.executable, "-m", "clipcli", "global-norm", str(SAMPLES / "grads.safetensors")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "60"},
+        check=True,
+    ).stdout
+    assert sum(line.startswith("model.") for line in piped.splitlines()) == 16
+
+
+def test_many_skipped_tensors_are_summed_up_by_reason(tmp_path):
+    # found by a fresh user (second review): every skipped tensor took a line of the table, however many
+    tensors = {f"step.{i}": np.array(i, np.int64) for i in range(12)}
+    tensors["w"] = np.ones((2, 2), np.float32)
+    path = write_st(tmp_path / "t.safetensors", tensors)
+    text = ok("global-norm", path).stdout
+    assert "skipped 12 tensors (step.0, step.1, step.10, ...): not a floating tensor" in text
+    assert "(every skipped tensor is listed in --format json)" in text
+    assert "skipped step.11" not in text
+    assert len(js("global-norm", path)["checkpoints"][0]["skipped"]) == 12
+
+
+def test_grammar_and_options_echoed_as_written(tmp_path):
+    # found trying clipcli as a new user: 'over 1 tensors', and options echoed in another form than written
+    src = write_st(tmp_path / "one.safetensors", {"w": np.array([np.nan, np.inf, 1.0], np.float32)})
+    assert "over 1 tensor;" in ok("clip-value", src, "--dry-run", "--min", "0", "--max", "1").stdout
+    result = run("clip-norm", src, "--dry-run", "--clip-norm", "1")
+    assert result.stderr == f"clipcli: error: {src}: tensor w: holds 1 NaN value and 1 Inf value\n"
+    result = run("global-norm", SAMPLES / "grads.safetensors", "--fail-above", "1e2", "--quiet")
+    assert result.stderr.endswith("exceeds --fail-above 1e2\n")
+
+
+def test_drawing_a_table_does_not_load_rich(tmp_path):
+    # found measuring many tensors: rich drew a table of thousands of rows slowly; the table is plain text now
+    src = write_st(tmp_path / "many.safetensors", {f"t{i}": np.ones(2, np.float32) for i in range(100)})
+    code = (
+        "import sys; from clipcli.cli import main\n"
+        f"try: main(['global-norm', {str(src)!r}])\n"
+        "except SystemExit: pass\n"
+        "assert 'rich' not in sys.modules, sorted(m for m in sys.modules if m.startswith('rich'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 # --- A real process ---------------------------------------------------------------------------------
@@ -840,6 +1273,51 @@ def test_progress_bar_only_on_a_terminal(grads, monkeypatch):
     result = run("global-norm", grads, "--format", "json")
     assert sum(advanced) == sum(a.nbytes for n, a in reference(grads).items() if n != "step")
     assert json.loads(result.stdout) == json.loads(plain.stdout)  # the bar never touches stdout
+
+
+def test_progress_names_each_pass(grads, tmp_path, monkeypatch):
+    # found trying clipcli as a new user: the progress bar did not say which pass (measuring, writing) it showed
+    from rich.progress import Progress
+
+    from clipcli import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    added = []
+    real = Progress.add_task
+    monkeypatch.setattr(
+        Progress, "add_task", lambda self, label, total: added.append((label, total)) or real(self, label, total=total)
+    )
+    ok("clip-global-norm", grads, "-o", tmp_path / "o.safetensors", "--clip-norm", "1", "--quiet")
+    assert added == []  # --quiet: no bar
+    ok("clip-global-norm", grads, "-o", tmp_path / "o.safetensors", "--clip-norm", "1")
+    tensors = reference(grads)
+    floats = sum(a.nbytes for n, a in tensors.items() if n != "step")
+    assert added == [("measuring", floats), ("writing", sum(a.nbytes for a in tensors.values()))]
+
+
+def test_a_safetensors_run_imports_no_reader_it_does_not_need(tmp_path):
+    # found profiling start-up: every run imported PyTorch's reader, the thread pool (with logging) and tempfile;
+    # they are imported when a file or a write needs them
+    src = write_st(tmp_path / "few.safetensors", {f"t{i}": np.ones(2, np.float32) for i in range(3)})
+    unneeded = ["clipcli.checkpoint._torch", "clipcli.checkpoint._dcp", "clipcli.checkpoint._pickle",
+                "concurrent.futures", "tempfile"]  # fmt: skip
+    code = (
+        "import sys; from clipcli.cli import main\n"
+        f"try: main(['global-norm', {str(src)!r}, '--format', 'json'])\n"
+        "except SystemExit: pass\n"
+        f"print([m for m in {unneeded!r} if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    # and they are there when needed: a clip writes through tempfile
+    code = code.replace(
+        "'global-norm', ", f"'clip-norm', '-o', {str(tmp_path / 'o.safetensors')!r}, '--clip-norm', '1', "
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['tempfile']"
 
 
 def test_a_closed_pipe_is_not_an_error(tmp_path):

@@ -1,4 +1,4 @@
-"""Issue 22: exit statuses, signals, the command line and the report (items 10, 14-19 and 25's low items)."""
+"""Exit statuses and what the command line promises: escaped strings, closed stdout, stop signals, permissions."""
 
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ from typer.testing import CliRunner
 
 from clipcli import report as render
 from clipcli.cli import app
-from tests.conftest import raw_safetensors, run_bounded, st_bytes
+from tests.helpers import ROOT, SAMPLES, ok, raw_safetensors, run, run_bounded, st_bytes, write_st
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "PYTHONPATH": str(ROOT)}
 EVIL = "\x1b]0;title\x07\x1b[2J"  # sets a terminal's window title, then clears its screen
 CONTROLS = "\x1b\x07\x9b"
@@ -37,19 +36,12 @@ def clipcli(*args: object, **kwargs: object) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture
-def grads(tmp_path: Path) -> Path:
-    path = tmp_path / "grads.safetensors"
-    shutil.copy(ROOT / "samples" / "grads.safetensors", path)
-    return path
-
-
 def one_error_line(stderr: str) -> str:
     assert stderr.count("\n") == 1 and stderr.startswith("clipcli: error: "), stderr
     return stderr
 
 
-# --- 10: every string from a file is escaped ---------------------------------------------------------
+# --- Every string from a file is escaped -------------------------------------------------------------
 
 
 def _bin(text: str) -> bytes:
@@ -117,7 +109,44 @@ def test_every_error_line_is_escaped(capsys):
     assert err == "clipcli: error: internal error (ValueError: \\x1b]0;title\\x07\\x1b[2J)\n"
 
 
-# --- 14: standard output closed or full ----------------------------------------------------------------
+def test_control_characters_in_a_message_never_reach_the_terminal(tmp_path):
+    # found by a fresh user (second review): an error message passed a tensor name's control characters to the terminal
+    name = "evil\x1b[2Jname"
+    path = write_st(tmp_path / "t.safetensors", {name: np.array([1.0, np.inf], np.float32)})
+    result = run("global-norm", path, "--fail-nonfinite")
+    assert result.exit_code == 1 and "\x1b" not in result.stderr and "\\x1b" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["global-norm", "inspect", "diff"])
+def test_csv_escapes_control_characters_in_names(tmp_path, command):
+    # found by a fresh user (second review): CSV reports passed control characters in names through raw
+    name = "w\x1b]0;title\x07"
+    path = write_st(tmp_path / "t.safetensors", {name: np.array([1.0, 2.0], np.float32)})
+    other = write_st(tmp_path / "u.safetensors", {name: np.array([1.0, 3.0], np.float32)})
+    paths = [path, other] if command == "diff" else [path]
+    text = ok(command, *paths, "--format", "csv").stdout
+    assert "\x1b" not in text and "\x07" not in text and "\\x1b" in text
+
+
+def test_control_characters_in_names_are_escaped_everywhere(tmp_path):
+    # found trying clipcli as a new user: control characters in tensor names and metadata reached the terminal raw
+    names = {"esc\x1b[31mred": np.ones(3, np.float32), "new\nline": np.ones(2, np.float32)}
+    src = write_st(tmp_path / "esc.safetensors", {**names, "bell\x07": np.array(1, np.int64)}, {"k\x1b]0;x": "v\x9b1"})
+    outputs = [
+        ok("global-norm", src).stdout,
+        ok("global-norm", src, src, "--depth", "1").stdout,
+        ok("inspect", src).stdout,
+        ok("clip-norm", src, "--dry-run", "--clip-norm", "1").stdout,
+    ]
+    for out in outputs:
+        assert not any(c in out for c in "\x1b\x07\x9b")
+    table = outputs[0]
+    assert "esc\\x1b[31mred" in table and "new\\nline" in table and "bell\\x07" in table
+    assert len(table.splitlines()) == 5  # headline, header, two rows, one skipped line: no row split
+    assert "metadata k\\x1b]0;x = v\\x9b1" in outputs[2]
+
+
+# --- Standard output closed or full --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fmt", ["table", "json"])
@@ -169,7 +198,16 @@ def test_a_full_stdout_is_exit_4(grads):
     assert one_error_line(done.stderr).endswith("cannot write the report: No space left on device\n")
 
 
-# --- 15, 16: signals at any moment end the process by the signal --------------------------------------
+def test_a_report_that_cannot_be_written_to_stdout_is_exit_4():
+    # found by a fresh user (second review): a report that stdout (/dev/full) could not take exited 120, not 4
+    with open("/dev/full", "w") as full:
+        command = [sys.executable, "-m", "clipcli", "global-norm", str(SAMPLES / "grads.safetensors")]
+        done = subprocess.run(command, env=ENV, stdout=full, stderr=subprocess.PIPE, text=True, check=False)
+    assert done.returncode == 4
+    assert done.stderr == "clipcli: error: standard output: cannot write the report: No space left on device\n"
+
+
+# --- Stop signals at any moment end the process by the signal -----------------------------------------
 
 
 def _interrupt_during_numpys_import(sig: signal.Signals) -> str:
@@ -205,9 +243,9 @@ def test_a_stop_python_swallows_prints_no_exception_ignored(grads, tmp_path, sig
     # ignored in: <function _get_module_lock.<locals>.cb>" and a traceback before "clipcli: terminated"
     code = (
         "import os, sys\n"
-        "from clipcli import errors\n"
+        "from clipcli import _stops\n"
         "class Stop:\n"
-        f"    def __del__(self): errors.stop({int(sig)})  # raised where Python swallows it\n"
+        f"    def __del__(self): _stops.stop({int(sig)})  # raised where Python swallows it\n"
         "real = os.fsync\n"
         "def fsync(fd):\n"
         "    Stop()\n"
@@ -306,7 +344,7 @@ def test_an_inherited_ignored_sigint_stays_ignored(slow, tmp_path):
     assert (proc.returncode, stderr) == (0, "") and out.exists()
 
 
-# --- 17: a file, shard or directory without permission ---------------------------------------------------
+# --- A file, shard or directory without permission -------------------------------------------------------
 
 
 def _without_root_s_read_override() -> None:
@@ -389,7 +427,7 @@ def test_an_output_in_a_directory_that_cannot_be_searched_is_exit_4(grads, tmp_p
         locked.chmod(0o755)
 
 
-# --- 18, 19: usage errors of one line; --report - -------------------------------------------------------
+# --- Usage errors of one line; --report - ---------------------------------------------------------------
 
 
 def test_nothing_to_clip_is_a_usage_error_of_one_line(tmp_path):
@@ -411,7 +449,7 @@ def test_report_dash_is_refused_before_anything_is_read(grads, tmp_path, monkeyp
     assert not (tmp_path / "-").exists()
 
 
-# --- 25: the low items -----------------------------------------------------------------------------------
+# --- Paths, terminals, completion, ownership and CSV cells -----------------------------------------------
 
 
 def test_an_ascii_terminal_gets_the_diff_summary_in_ascii(tmp_path):

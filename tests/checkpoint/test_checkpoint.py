@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 import zipfile
@@ -19,7 +20,21 @@ from safetensors import safe_open
 from clipcli.checkpoint import Checkpoint, _safetensors, open_checkpoint, save
 from clipcli.core import NormAccumulator
 from clipcli.errors import FileTypeError, MalformedError, MissingFileError, UnsupportedError, UsageError, WriteError
-from tests.conftest import first_tensor_norm_and_peak, raw_safetensors, st_bytes, st_read
+from tests.helpers import (
+    SAMPLES,
+    first_tensor_norm_and_peak,
+    fnorm,
+    js,
+    npy,
+    npz_arrays,
+    ok,
+    raw_safetensors,
+    run,
+    st_bytes,
+    st_read,
+)
+
+NUMPY_DATA = Path(np.__file__).parent / "lib" / "tests" / "data"
 
 ST_DTYPES = [
     np.bool_,
@@ -240,6 +255,41 @@ def test_chunks_respect_the_size_bound_and_alignment(tmp_path):
         assert next(c.size for c in ckpt.chunks(t, max_bytes=10, align=100)) == 100  # at least one row
 
 
+def test_python2_npy_of_numpys_own_test_data():
+    # found on a real file of another project: NumPy's own win64python2.npy (a Python 2 header) was not read
+    path = NUMPY_DATA / "win64python2.npy"
+    if not path.exists():
+        pytest.skip("NumPy's test data is not installed")
+    with pytest.warns(UserWarning, match="Python 2"):
+        expected = np.load(path)
+    (c,) = js("global-norm", path)["checkpoints"]
+    assert c["global_norm"] == fnorm([expected])
+
+
+def test_python2_npy_with_long_integers_in_its_shape(tmp_path):
+    # found on real files of other projects: a Python 2 .npy header with long integers (2L, 3L) was not read
+    path = tmp_path / "py2.npy"
+    data = np.arange(6, dtype="<f8")
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (2L, 3L), }".ljust(117) + "\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + data.tobytes())
+    with pytest.warns(UserWarning, match="Python 2"):
+        np.testing.assert_array_equal(np.load(path), data.reshape(2, 3))  # NumPy reads it: so does clipcli
+    (t,) = js("inspect", path)["checkpoints"][0]["tensors"]
+    assert t["shape"] == [2, 3]
+
+
+def test_safetensors_header_with_leading_whitespace_is_read_like_the_reference(tmp_path):
+    # found trying clipcli as a new user: a safetensors header starting with whitespace was not read as the library does
+    data = np.arange(3, dtype=np.float32).tobytes()
+    header = b'  \n{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}'
+    path = tmp_path / "space.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+    with safe_open(path, "np") as f:  # the reference reads it
+        expected = f.get_tensor("w")
+    (c,) = js("global-norm", path)["checkpoints"]
+    assert c["global_norm"] == fnorm([expected])
+
+
 # --- Writing: atomic, never over the input -----------------------------------------------------------
 
 
@@ -295,6 +345,83 @@ def test_writing_through_a_symlink_writes_its_target(tmp_path):
         save(ckpt, tmp_path / "link.npy", ckpt.chunks)
     assert os.path.islink(tmp_path / "link.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "target.npy"), [1, 1, 1])
+
+
+@pytest.fixture
+def mixed_npz(tmp_path) -> Path:
+    """What scipy.sparse.save_npz writes (a text member) beside records and float128."""
+    path = tmp_path / "sparse.npz"
+    np.savez_compressed(
+        path,
+        indices=np.array([0, 2, 1], np.int32),
+        indptr=np.array([0, 1, 3], np.int32),
+        format=np.array("csr"),
+        shape=np.array([2, 3]),
+        data=np.array([1.0, -2.0, 3.0]),
+        records=np.zeros(2, dtype=[("a", "<f4"), ("b", "<i2")]),
+        quad=np.ones(3, np.longdouble),
+    )
+    return path
+
+
+def test_npz_with_non_numeric_members_is_listed_measured_and_clipped(mixed_npz, tmp_path):
+    # found on real files of other projects: scipy.sparse.save_npz's text member (and records) was not carried
+    listing = {t["name"]: t["dtype"] for t in js("inspect", mixed_npz)["checkpoints"][0]["tensors"]}
+    assert listing == {
+        "indices": "int32",
+        "indptr": "int32",
+        "format": "U3",
+        "shape": "int64",
+        "data": "float64",
+        "records": "structured",
+        "quad": "float128",
+    }
+    (c,) = js("global-norm", mixed_npz)["checkpoints"]
+    assert c["global_norm"] == math.sqrt(14)
+    assert {s["name"]: s["reason"] for s in c["skipped"]}["format"] == "no arithmetic on U3 (carried as bytes)"
+    out = tmp_path / "clipped.npz"
+    ok("clip-value", mixed_npz, "-o", out, "--min", "-1", "--max", "1", "--quiet")
+    with zipfile.ZipFile(mixed_npz) as before, zipfile.ZipFile(out) as after:
+        for name in ("format.npy", "records.npy", "quad.npy", "indices.npy"):
+            assert after.read(name) == before.read(name)  # copied through byte for byte
+    np.testing.assert_array_equal(npz_arrays(out)["data"], [1.0, -1.0, 1.0])
+
+
+def test_a_member_that_is_no_npy_file_is_carried(tmp_path):
+    # found trying clipcli as a new user: an .npz member that is no .npy file was not carried through a clip
+    path = tmp_path / "notes.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("readme.txt", b"hello")
+        z.writestr("w.npy", npy(np.ones(2, np.float32)))
+    out = tmp_path / "o.npz"
+    ok("clip-value", path, "-o", out, "--min", "0", "--max", "0.5", "--quiet")
+    with zipfile.ZipFile(out) as z:
+        assert z.read("readme.txt") == b"hello"
+    assert js("inspect", path)["checkpoints"][0]["tensors"][0]["dtype"] == "bytes"
+
+
+def test_a_non_numeric_member_cannot_go_to_safetensors(mixed_npz, tmp_path):
+    # found trying clipcli as a new user: a non-numeric .npz member clipped into safetensors had no one-line refusal
+    result = run("clip-value", mixed_npz, "-o", tmp_path / "o.safetensors", "--min", "0", "--max", "1")
+    assert result.exit_code == 3 and "tensor format: safetensors has no dtype for U3" in result.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_clipping_a_compressed_npz_keeps_each_members_compression(tmp_path):
+    # found on a real file of another project: clipping Whisper's mel_filters.npz did not keep each member's compression
+    path = tmp_path / "mel_filters.npz"  # like Whisper's: a mostly-zero filter bank, deflated
+    mel = np.zeros((80, 201), np.float32)
+    mel[np.arange(80), np.arange(80) * 2] = 0.03
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(zipfile.ZipInfo("mel_80.npy"), npy(mel), zipfile.ZIP_DEFLATED)
+        z.writestr(zipfile.ZipInfo("raw.npy"), npy(np.ones(3, np.float32)), zipfile.ZIP_STORED)
+        z.writestr(zipfile.ZipInfo("bz.npy"), npy(np.ones(3, np.float32)), zipfile.ZIP_BZIP2)
+    out = tmp_path / "clipped.npz"
+    ok("clip-norm", path, "-o", out, "--clip-norm", "0.1", "--quiet")
+    with zipfile.ZipFile(out) as z:
+        methods = {i.filename: i.compress_type for i in z.infolist()}
+    assert methods == {"mel_80.npy": zipfile.ZIP_DEFLATED, "raw.npy": zipfile.ZIP_STORED, "bz.npy": zipfile.ZIP_BZIP2}
+    assert out.stat().st_size < 2 * path.stat().st_size
 
 
 # --- Memory -----------------------------------------------------------------------------------------
@@ -696,6 +823,51 @@ def test_missing_file(tmp_path):
         open_checkpoint(tmp_path / "nope.safetensors")
 
 
+def test_npy_header_beyond_numpys_limit_is_refused_as_numpy_refuses_it(tmp_path):
+    # found trying clipcli as a new user: an .npy header beyond NumPy's max_header_size was not refused as by NumPy
+    path = tmp_path / "long.npy"
+    header = ("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }" + " " * 12_000 + "\n").encode()
+    path.write_bytes(b"\x93NUMPY\x02\x00" + len(header).to_bytes(4, "little") + header + bytes(4))
+    with pytest.raises(ValueError, match="max_header_size"):
+        np.load(path)
+    result = run("inspect", path)
+    assert result.exit_code == 3
+    assert "more than the 10000 NumPy reads (its max_header_size)" in result.stderr
+
+
+def test_a_text_file_named_safetensors_is_called_text(tmp_path):
+    # found trying clipcli as a new user: a text file named .safetensors got no message saying it is text
+    path = tmp_path / "notes.safetensors"
+    path.write_text("These are my notes about the gradients of yesterday's run.\n")
+    result = run("inspect", path)
+    assert (result.exit_code, result.stderr) == (3, f"clipcli: error: {path}: not a safetensors file: a text file\n")
+
+
+def test_a_pytorch_zip_named_npz_is_called_a_pytorch_checkpoint(tmp_path):
+    # found trying clipcli as a new user: a PyTorch zip named .npz was not called a PyTorch checkpoint
+    path = tmp_path / "model.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("model/data.pkl", b"\x80\x02}q\x00.")
+        z.writestr("model/data/0", bytes(8))
+    result = run("inspect", path)
+    assert result.exit_code == 3
+    assert (
+        result.stderr
+        == f"clipcli: error: {path}: not an .npz file: a PyTorch zip checkpoint (name it .pt, .pth or .bin)\n"
+    )
+
+
+def test_a_file_without_a_known_suffix_is_read_as_what_it_is(tmp_path):
+    # found trying clipcli as a new user: a file without a known suffix was not read as what it is
+    for name, content in (
+        ("grads", (SAMPLES / "grads.safetensors").read_bytes()),
+        ("grads.bak", (SAMPLES / "grads.npz").read_bytes()),
+        ("one", npy(np.ones(3, np.float32))),
+    ):
+        (tmp_path / name).write_bytes(content)
+        assert js("global-norm", tmp_path / name)["checkpoints"][0]["global_norm"] > 0
+
+
 # --- Threads and chunk sizes do not change the result -------------------------------------------------
 
 
@@ -962,7 +1134,7 @@ def test_metadata_of_every_shard_is_kept(tmp_path):
 
 def test_an_npz_directory_entry_pointing_at_another_member_is_refused(tmp_path):
     # an entry pointing at another member's local header: that member's header and bytes, read as this one's
-    from tests.test_torch_format import redirect_member
+    from tests.helpers import redirect_member
 
     buf = io.BytesIO()
     np.savez(buf, x=np.arange(4.0), y=np.arange(4.0) * 2)

@@ -42,11 +42,11 @@ from clipcli.checkpoint._pickle import (
     unpickle,
     unpickle_at,
 )
-from clipcli.checkpoint._torch import TorchTensor, is_contiguous, read_torch, shared_storages, view_byte_range
+from clipcli.checkpoint._torch import is_contiguous, read_torch, shared_storages, view_byte_range
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsafePickleError, UnsupportedError
-from tests.test_fuzz import byte_mutations
+from tests.helpers import DATA, PID, ROOT, Call, G, byte_mutations, ops, read_values, redirect_member, zip_file
 
-CORPUS = Path(__file__).parent / "data" / "torch"
+CORPUS = DATA / "torch"
 CORPUS_FILES = sorted(p for p in CORPUS.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
 EXAMPLES = int(os.environ.get("CLIPCLI_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(
@@ -58,27 +58,6 @@ FUZZ = settings(
 
 
 # -- reading values the way the lead's reader will: from the file, by offset and strides ------------
-
-
-def read_values(path: Path, t: TorchTensor) -> np.ndarray:
-    """The tensor's values, read from its storage's bytes in the file through its view (test-only)."""
-    assert t.dtype is not None and t.skip_reason is None
-    raw = np.fromfile(path, dtype=np.uint8, count=t.storage_nbytes, offset=t.file_offset)
-    assert raw.size == t.storage_nbytes and sys.byteorder == "little"
-    raw = raw[: raw.size - raw.size % t.dtype.itemsize]
-    if t.big_endian and t.dtype.itemsize > 1:  # swap each number (both halves of a complex one apart)
-        unit = t.dtype.itemsize // (2 if t.dtype.kind == "c" else 1)
-        raw = raw.view(f"u{unit}").byteswap().view(np.uint8)
-    if t.numel == 0:
-        return np.zeros(t.shape, t.dtype)
-    storage = raw.view(f"V{t.dtype.itemsize}")  # as_strided cannot take ml_dtypes types: stride raw items
-    view = np.lib.stride_tricks.as_strided(
-        storage[t.storage_offset :],
-        shape=t.shape,
-        strides=tuple(s * t.dtype.itemsize for s in t.strides),
-        writeable=False,
-    )
-    return view.copy(order="C").view(t.dtype)
 
 
 def norm(values: np.ndarray) -> float:
@@ -244,60 +223,6 @@ def test_big_endian_storages_are_marked() -> None:
 # -- writing pickles and containers by hand -----------------------------------------------------------
 
 
-class G:
-    """A GLOBAL opcode in a hand-written pickle."""
-
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
-
-
-class Call:
-    """A REDUCE of a callable (usually a G) on a tuple of arguments."""
-
-    def __init__(self, func: Any, *args: Any):
-        self.func, self.args = func, args
-
-
-class PID:
-    """A BINPERSID of a persistent id."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
-def ops(x: Any) -> bytes:
-    """Protocol-2 opcodes that build `x` (no memo): plain data, G, Call and PID."""
-    if x is None:
-        return b"N"
-    if x is True or x is False:
-        return b"\x88" if x else b"\x89"
-    if isinstance(x, int):
-        if -(2**31) <= x < 2**31:
-            return b"J" + struct.pack("<i", x)
-        raw = x.to_bytes((x.bit_length() + 8) // 8, "little", signed=True)
-        return b"\x8b" + struct.pack("<i", len(raw)) + raw
-    if isinstance(x, float):
-        return b"G" + struct.pack(">d", x)
-    if isinstance(x, str):
-        raw = x.encode("utf-8", "surrogatepass")
-        return b"X" + struct.pack("<I", len(raw)) + raw
-    if isinstance(x, bytes):
-        return b"C" + bytes([len(x)]) + x if len(x) < 256 else b"B" + struct.pack("<I", len(x)) + x
-    if isinstance(x, tuple):
-        return b"(" + b"".join(ops(v) for v in x) + b"t"
-    if isinstance(x, list):
-        return b"]" + (b"(" + b"".join(ops(v) for v in x) + b"e" if x else b"")
-    if isinstance(x, dict):
-        return b"}" + (b"(" + b"".join(ops(k) + ops(v) for k, v in x.items()) + b"u" if x else b"")
-    if isinstance(x, G):
-        return b"c" + x.module.encode() + b"\n" + x.name.encode() + b"\n"
-    if isinstance(x, Call):
-        return ops(x.func) + ops(tuple(x.args)) + b"R"
-    if isinstance(x, PID):
-        return ops(x.value) + b"Q"
-    raise TypeError(type(x))
-
-
 def pkl(x: Any) -> bytes:
     return b"\x80\x02" + ops(x) + b"."
 
@@ -313,17 +238,6 @@ def storage(key: str = "0", numel: int = 6, cls: str = "FloatStorage", legacy: b
 def tensor(st: Any = None, offset: int = 0, shape: Any = (2, 3), stride: Any = (3, 1)) -> Call:
     st = storage() if st is None else st
     return Call(G("torch._utils", "_rebuild_tensor_v2"), st, offset, shape, stride, False, ORDERED)
-
-
-def zip_file(path: Path, data_pkl: bytes, storages: dict[str, bytes] | None = None, prefix: str = "archive") -> Path:
-    """A zip laid out as torch writes one (without its 64-byte alignment, which nothing needs)."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        z.writestr(f"{prefix}/data.pkl", data_pkl)
-        z.writestr(f"{prefix}/byteorder", "little")
-        for key, data in (storages if storages is not None else {"0": bytes(24)}).items():
-            z.writestr(f"{prefix}/data/{key}", data)
-        z.writestr(f"{prefix}/version", "3\n")
-    return path
 
 
 def legacy_file(path: Path, obj_pkl: bytes, storages: dict[str, tuple[int, bytes]] | None = None) -> Path:
@@ -1009,7 +923,7 @@ def test_corpus_files_truncated_everywhere(tmp_path: Path, source: Path) -> None
 
 def test_the_parsers_import_no_torch() -> None:
     """_pickle and _torch use the standard library, NumPy, ml_dtypes and clipcli; nothing in clipcli imports torch."""
-    package = Path(__file__).parents[1] / "clipcli"
+    package = ROOT / "clipcli"
     for source in package.rglob("*.py"):
         tree = ast.parse(source.read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
@@ -1159,20 +1073,6 @@ def test_tensor_data_is_never_read(tmp_path: Path, kind: str) -> None:
         path = legacy_file(tmp_path / "big.pt", obj, {"0": (n, bytes(4 * n))})
     assert read_or_refuse(path) == "ok"
     assert peak_bytes(path) < 3 << 20
-
-
-def redirect_member(data: bytes, name: str, to: str) -> bytes:
-    """A zip whose central directory entry for `name` points at the local header of `to`."""
-    out = bytearray(data)
-    offsets = {}
-    at = out.find(b"PK\x01\x02")
-    while at != -1:
-        n = struct.unpack("<H", out[at + 28 : at + 30])[0]
-        offsets[out[at + 46 : at + 46 + n].decode()] = at
-        at = out.find(b"PK\x01\x02", at + 46 + n)
-    target = struct.unpack("<I", out[offsets[to] + 42 : offsets[to] + 46])[0]
-    out[offsets[name] + 42 : offsets[name] + 46] = struct.pack("<I", target)
-    return bytes(out)
 
 
 def test_a_directory_entry_pointing_at_another_record_is_refused(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Strided views and distributed checkpoints under hostile or heavy layouts (issue 22, items 6, 7, 11, 23)."""
+"""Strided views and distributed checkpoints under hostile or heavy layouts."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from clipcli.checkpoint._files import Piece, Pieces
 from clipcli.cli import app
 from clipcli.errors import UnsupportedError
-from tests.conftest import dcp_checkpoint, dcp_two_regions, run_bounded, torch_view, torch_zip
+from tests.helpers import dcp_checkpoint, dcp_two_regions, run_bounded, torch_view, torch_zip
 
 
 def cli(*args: object) -> tuple[int, str, str]:
@@ -40,7 +40,7 @@ def numpy_view(storage: np.ndarray, shape, strides, offset=0) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(storage[offset:], shape, [s * item for s in strides])
 
 
-# -- item 6: strided views streamed, never materialized ---------------------------------------------------
+# -- Strided views streamed, never materialized -----------------------------------------------------------
 
 
 def test_an_expanded_scalar_is_normed_in_bounded_memory(tmp_path):
@@ -179,7 +179,7 @@ def test_strided_pieces_stream_right(tmp_path_factory, shape, data):
     assert got.tobytes() == array.tobytes()
 
 
-# -- item 7: distributed checkpoints of many chunks ------------------------------------------------------
+# -- Distributed checkpoints of many chunks --------------------------------------------------------------
 
 
 def test_a_layout_splitting_many_dimensions_is_checked_quickly(tmp_path):
@@ -244,7 +244,7 @@ def test_names_fanned_out_through_one_byte_range_are_refused(tmp_path):
     assert r.seconds < 10 and r.peak_mb < 400, r
 
 
-# -- item 11: more dimensions than NumPy holds -----------------------------------------------------------
+# -- More dimensions than NumPy holds --------------------------------------------------------------------
 
 
 SHAPE_70 = (1,) * 34 + (3,) + (1,) * 34 + (4,)
@@ -288,7 +288,7 @@ def test_seventy_dimensions_read_convert_and_diff(tmp_path):
     assert "--axes on 70 dimensions" in r.stderr
 
 
-# -- item 23: a distributed checkpoint clips like any PyTorch input ---------------------------------------
+# -- A distributed checkpoint clips like any PyTorch input ------------------------------------------------
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from decimal import Decimal, getcontext
 from fractions import Fraction
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from clipcli import core
 from clipcli.checkpoint import _engine, open_checkpoint
-from tests.test_cli import SAMPLES, js, ok, run, write_st
+from tests.helpers import DATA, SAMPLES, js, ok, run, write_st
 
 F32 = np.float32
 
@@ -187,7 +189,7 @@ def test_formats_and_layouts_compare_by_value(tmp_path):
 
 
 def test_a_pytorch_file_against_its_conversion(tmp_path):
-    source = Path(__file__).parent / "data" / "torch" / "grads.pt"
+    source = DATA / "torch" / "grads.pt"
     out = tmp_path / "grads.safetensors"
     ok("convert", source, "-o", out, "--quiet")
     assert run("diff", source, out, "--fail-different").exit_code == 0
@@ -410,3 +412,80 @@ def test_structured_members_of_other_fields_are_not_compared_by_bytes(tmp_path):
         assert run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--fail-different").exit_code == 1
     np.savez(tmp_path / "b.npz", t=a.copy())
     assert diff_json(tmp_path / "a.npz", tmp_path / "b.npz")["skipped"][0]["identical"] is True
+
+
+def test_a_diff_that_is_not_finite_says_so(tmp_path):
+    # found by a fresh user (second review): a diff gate tripped by a NaN difference did not say it was not finite
+    a = write_st(tmp_path / "a.safetensors", {"w": np.array([1.0, np.nan], np.float32)})
+    b = write_st(tmp_path / "b.safetensors", {"w": np.array([1.0, 2.0], np.float32)})
+    result = run("diff", a, b, "--fail-above", "1")
+    assert result.exit_code == 1 and "‖A−B‖ is nan, not finite (--fail-above 1)" in result.stderr
+
+
+def test_diff_top_counts_the_tensors_that_differ(steps):
+    # found by a fresh user (second review): diff --top K gave identical tensors places among the K shown
+    a, b = steps
+    text = ok("diff", a, b, "--top", "2").stdout
+    table = [line for line in text.splitlines() if line.startswith("model.")]
+    assert len(table) == 2  # one of the 7 is identical: --top 2 still shows 2 rows
+    assert "4 other tensors that differ not shown (--top)" in text and "1 tensor identical, bit for bit" in text
+    report = js("diff", a, b, "--top", "2")
+    assert len(report["tensors"]) == 2 and not any(t["identical"] for t in report["tensors"])
+    assert report["tensor_count"] == 7 and report["identical_count"] == 1
+
+
+def test_rel_is_nan_where_a_holds_nan_even_at_the_same_place_in_b(tmp_path):
+    # found checking diff's figures: NaN in A at the same place as in B gave rel 0 (per tensor, per group, globally)
+    x = np.array([np.nan, 1.0, 2.0], np.float32)
+    a = write_st(tmp_path / "a.safetensors", {"m.x": x, "m.y": np.ones(2, np.float32)})
+    b = write_st(tmp_path / "b.safetensors", {"m.x": x.copy(), "m.y": np.ones(2, np.float32)})
+    d = diff_json(a, b, "--depth", "1")
+    rows = {t["name"]: t for t in d["tensors"]}
+    assert (d["diff_norm"], d["norm_a"], d["rel"]) == (0.0, "nan", "nan")
+    assert (rows["m.x"]["diff_norm"], rows["m.x"]["rel"]) == (0.0, "nan")
+    assert rows["m.y"]["rel"] == 0.0  # a finite A: 0 / ‖A‖
+    assert [(g["name"], g["rel"]) for g in d["groups"]] == [("m", "nan")]
+    assert run("diff", a, b, "--fail-rel-above", "1").exit_code == 1  # a gate fails on a non-finite figure
+    assert run("diff", a, b, "--fail-above", "0", "--fail-different").exit_code == 0  # nothing differs
+    inf = write_st(tmp_path / "inf.safetensors", {"m.x": np.array([np.inf, 1.0], np.float32)})
+    assert diff_json(inf, inf)["rel"] == 0.0  # 0 / inf
+    assert math.isnan(float(diff_json(a, a)["tensors"][0]["rel"]))
+
+
+def test_metadata_that_differs_is_listed_and_fails_the_gate(tmp_path):
+    # found checking diff's gates: equal tensors with another `epoch` or `lr` passed --fail-different, the report silent
+    w = {"w": np.arange(4, dtype=np.float32)}
+    a = write_st(tmp_path / "a.safetensors", w, {"epoch": "3", "lr": "0.1", "format": "pt", "x\x1b[2J": "1"})
+    b = write_st(tmp_path / "b.safetensors", w, {"epoch": "4", "lr": "0.1", "step": "7"})
+    d = diff_json(a, b)
+    assert d["metadata_differs"] == ["epoch", "step", "x\x1b[2J"]  # `format` (which library saved it) is layout
+    assert d["different"] == ["3 metadata keys differ (epoch, ...)"]
+    gate = run("diff", a, b, "--fail-different")
+    assert gate.exit_code == 1 and "metadata differs: epoch, step, x\\x1b[2J" in gate.stdout  # escaped
+    assert gate.stderr.count("clipcli: error:") == 1 and "3 metadata keys differ" in gate.stderr
+    csv = run("diff", a, b, "--format", "csv").stdout.splitlines()
+    rows = [line for line in csv if line.endswith(",metadata")]
+    assert rows == [f"{k},,,,,,,,,,,0,,metadata" for k in ("epoch", "step", "x\\x1b[2J")]
+    assert csv[-1].split(",")[-4:-2] == ["0", "0"]  # the global row: nothing changed, yet not identical
+    excluded = ["--exclude", "epoch", "--exclude", "x*", "--exclude", "step"]
+    assert run("diff", a, b, "--fail-different", *excluded).exit_code == 0  # keys are selected as names are
+    same = write_st(tmp_path / "same.safetensors", w, {"epoch": "3", "lr": "0.1", "x\x1b[2J": "1", "format": "np"})
+    assert run("diff", a, same, "--fail-different").exit_code == 0
+
+
+def test_torch_leaves_count_and_a_conversion_keeps_them(tmp_path):
+    # found checking diff's gates: a PyTorch file's non-tensor leaves (epoch, lr) are metadata, compared as strings
+    source = DATA / "torch" / "lightning.ckpt"
+    out = tmp_path / "converted.safetensors"
+    assert run("convert", source, "-o", out, "--quiet").exit_code == 0
+    assert run("diff", source, out, "--fail-different").exit_code == 0  # clipcli's own conversion: the same
+    with safe_open(out, "np") as f:
+        metadata = f.metadata()
+    assert metadata["epoch"] == "3"
+    moved = write_st(tmp_path / "moved.safetensors", load_file(out), {**metadata, "epoch": "4"})
+    d = diff_json(source, moved)
+    assert (d["metadata_differs"], d["changed"]) == (["epoch"], 0)
+    assert run("diff", source, moved, "--fail-different").exit_code == 1
+    dropped = tmp_path / "dropped.safetensors"
+    assert run("convert", source, "-o", dropped, "--drop-metadata", "--quiet").exit_code == 0
+    assert diff_json(source, dropped)["metadata_differs"] == sorted(metadata)  # what --drop-metadata lost

@@ -2,7 +2,7 @@
 
 The normal run tries a bounded number of examples per property; the large run is
 
-    CLIPCLI_FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz.py -q
+    CLIPCLI_FUZZ_EXAMPLES=10000 python -m pytest tests/checkpoint/test_fuzz.py -q
 
 Each example must finish within the deadline (no hang) and allocate no more than a small multiple of the
 file's size plus one read buffer (a header that claims a terabyte in a kilobyte is refused before
@@ -29,7 +29,7 @@ from safetensors import safe_open
 from clipcli.checkpoint import CHUNK_BYTES, MAX_LZMA_DICTIONARY, open_checkpoint
 from clipcli.core import NormAccumulator
 from clipcli.errors import ClipcliError
-from tests.conftest import first_tensor_norm_and_peak, st_bytes
+from tests.helpers import byte_mutations, first_tensor_norm_and_peak, st_bytes
 
 EXAMPLES = int(os.environ.get("CLIPCLI_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(
@@ -105,35 +105,6 @@ BASE_NPZ = [
     zip_of({"x.npy": BASE_NPY[0]}, zipfile.ZIP_BZIP2),
     zip_of({"x.npy": BASE_NPY[1]}, zipfile.ZIP_LZMA),
 ]
-
-
-@st.composite
-def byte_mutations(draw, data: bytes) -> bytes:
-    """Flips, truncations, insertions and rewritten length fields, a few at a time."""
-    out = bytearray(data)
-    for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["flip", "truncate", "insert", "u64", "u32", "zero"]))
-        if not out:
-            break
-        pos = draw(st.integers(0, len(out) - 1))
-        if kind == "flip":
-            out[pos] ^= draw(st.integers(1, 255))
-        elif kind == "truncate":
-            del out[pos:]
-        elif kind == "insert":
-            out[pos:pos] = draw(st.binary(min_size=1, max_size=16))
-        elif kind == "zero":
-            out[pos : pos + draw(st.integers(1, 64))] = bytes(min(64, len(out) - pos))
-        else:
-            size = 8 if kind == "u64" else 4
-            value = draw(
-                st.sampled_from([0, 1, 2**31 - 1, 2**32 - 1, 2**40, 2**63 - 1, len(out), len(out) + 1])
-                if draw(st.booleans())
-                else st.integers(0, 2 ** (8 * size) - 1)
-            )
-            packed = struct.pack("<Q" if size == 8 else "<I", value % 2 ** (8 * size))
-            out[pos : pos + size] = packed[: len(out) - pos]
-    return bytes(out)
 
 
 json_values = st.recursive(

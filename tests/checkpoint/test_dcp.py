@@ -35,10 +35,9 @@ from clipcli.errors import (
     UnsafePickleError,
     UnsupportedError,
 )
-from tests.test_fuzz import byte_mutations
-from tests.test_torch_format import PID, Call, G, ops, read_values, zip_file
+from tests.helpers import DATA, PID, Call, G, byte_mutations, ops, read_values, zip_file
 
-CORPUS = Path(__file__).parent / "data" / "dcp"
+CORPUS = DATA / "dcp"
 CHECKPOINTS = ["single", "sharded", "megatron", "megatron_mcore015"]
 EXAMPLES = int(os.environ.get("CLIPCLI_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(

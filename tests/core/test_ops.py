@@ -804,7 +804,7 @@ def test_norms_across_rows_fold_groups_the_same_however_the_rows_are_cut(shape, 
     np.testing.assert_allclose(whole, reference, rtol=1e-13, atol=0)
 
 
-# --- Issue 10: norms beyond float64, +-inf in clip_by_norm, 0-d results ------------------------------
+# --- Norms beyond float64, +-inf in clip_by_norm, 0-d results ----------------------------------------
 
 
 def test_clip_by_norm_of_finite_values_whose_norm_overflows_float64_uses_the_exact_norm():

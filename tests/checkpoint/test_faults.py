@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -21,9 +20,8 @@ from typer.testing import CliRunner
 
 from clipcli.checkpoint import open_checkpoint
 from clipcli.cli import app
-from tests.conftest import st_bytes
+from tests.helpers import ROOT, digest, st_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
 
 
@@ -36,10 +34,6 @@ def clipcli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess:
         timeout=timeout,
         check=False,
     )
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -272,8 +266,9 @@ def test_a_stop_just_as_the_temporary_file_is_created_removes_it(tmp_path, monke
     # file (here: as mkstemp returns) left `.out.safetensors.*.tmp` behind. Now deferred until that `try`.
     import tempfile
 
-    from clipcli import errors
+    from clipcli import _stops
     from clipcli.checkpoint._files import atomic_write
+    from clipcli.errors import Terminated
 
     real_mkstemp = tempfile.mkstemp
 
@@ -283,13 +278,13 @@ def test_a_stop_just_as_the_temporary_file_is_created_removes_it(tmp_path, monke
         return created
 
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_stop)
-    monkeypatch.setattr(errors, "_stops", [])
-    monkeypatch.setattr(errors, "_committing", [False])
-    previous = {s: signal.signal(s, errors.stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(_stops, "_received", [])
+    monkeypatch.setattr(_stops, "_committing", [False])
+    previous = {s: signal.signal(s, _stops.stop) for s in (signal.SIGINT, signal.SIGTERM)}
     target = tmp_path / "out.safetensors"
     target.write_bytes(b"old")
     try:
-        with pytest.raises(KeyboardInterrupt if sig == signal.SIGINT else errors.Terminated), atomic_write(target) as f:
+        with pytest.raises(KeyboardInterrupt if sig == signal.SIGINT else Terminated), atomic_write(target) as f:
             f.write(b"new")
     finally:
         for s, handler in previous.items():
@@ -304,11 +299,11 @@ def test_a_stop_whose_exception_is_swallowed_still_commits_nothing(files, tmp_pa
     """Python swallows an exception raised in an at-fork hook or a __del__; the stop must hold all the same."""
     code = (
         "import os, signal, sys\n"
-        "from clipcli import errors\n"
+        "from clipcli import _stops\n"
         "real = os.fsync\n"
         "def fsync(fd):\n"
         "    try:\n"
-        f"        errors.stop(signal.{name})  # the signal's exception, raised where it is swallowed\n"
+        f"        _stops.stop(signal.{name})  # the signal's exception, raised where it is swallowed\n"
         "    except BaseException:\n"
         "        pass\n"
         "    real(fd)\n"
@@ -456,7 +451,7 @@ def test_hundreds_of_shards_are_read_and_written_within_a_small_open_files_limit
 def test_a_stop_once_the_output_is_committed_does_not_exit_130(files, tmp_path, monkeypatch, sig):
     # found by a review: 6 of 117 interrupted clips exited 130 ("the target untouched") with the output
     # already renamed into place; between two shards' renames a stop would commit some and not others
-    from clipcli import cli, errors
+    from clipcli import _stops, cli
 
     real_replace = os.replace
 
@@ -465,8 +460,8 @@ def test_a_stop_once_the_output_is_committed_does_not_exit_130(files, tmp_path, 
         os.kill(os.getpid(), sig)  # dropped: the output is committed
 
     monkeypatch.setattr(os, "replace", replace_then_stop)
-    monkeypatch.setattr(errors, "_stops", [])
-    monkeypatch.setattr(errors, "_committing", [False])
+    monkeypatch.setattr(_stops, "_received", [])
+    monkeypatch.setattr(_stops, "_committing", [False])
     out = tmp_path / "out.safetensors"
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -478,7 +473,7 @@ def test_a_stop_once_the_output_is_committed_does_not_exit_130(files, tmp_path, 
             signal.signal(s, handler)
     assert ignored is signal.SIG_IGN  # from the commit to the exit
     assert exit_.value.code == 0
-    assert errors._stops == []
+    assert _stops._received == []
     with open_checkpoint(out) as ckpt:
         assert len(ckpt.tensors) > 0
     assert leftovers(tmp_path) == []

@@ -1,0 +1,67 @@
+"""diff in the commands layer: small tensors read and measured together report what pairs read alone do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from clipcli import commands, core
+from clipcli.checkpoint import _engine, open_checkpoint
+from tests.helpers import write_st
+
+F32, F16 = np.float32, np.float16
+
+
+def lora(path: Path, n: int, seed: int, gaps: bool = False) -> Path:
+    """n small tensors (a LoRA adapter's shapes, some of other dtypes), as .safetensors or as an .npz (whose
+    members have headers between them)."""
+    rng = np.random.default_rng(0)
+    noise = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(n):
+        x = rng.standard_normal((8, 16)) + (noise.standard_normal((8, 16)) * 1e-3 if i % 3 else 0.0)
+        tensors[f"layers.{i // 8}.lora_{i % 2}.{i}.weight"] = x.astype([F32, F32, F32, F16][i % 4])
+    tensors["big"] = rng.standard_normal(3 * core.BLOCK + 5).astype(F32) + seed  # not small: alone
+    tensors["step"] = np.array(seed, np.int64)  # compared for sameness only
+    if gaps:
+        np.savez(path, **tensors)
+        return path
+    return write_st(path, tensors)
+
+
+def test_small_pairs_read_together_report_what_pairs_read_alone_report(tmp_path, monkeypatch):
+    # pairs of small tensors read together (both sides at once, per run of dtypes) must report every figure,
+    # share, group and sameness as pairs read one by one
+    a = lora(tmp_path / "a.safetensors", 300, 0)
+    outs = {}
+    for name, b in (("b", lora(tmp_path / "b.safetensors", 300, 1)), ("npz", lora(tmp_path / "b.npz", 300, 1, True))):
+        for together in (True, False):
+            if not together:
+                monkeypatch.setattr(_engine, "SMALL_TENSOR", -1)  # every pair a task of its own
+            with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
+                for ord in (2.0, 3.0):
+                    report = commands.diff(ca, cb, commands.Selection(), ord, depth=3)
+                    outs[name, together, ord] = repr((report.stats, report.tensors, report.others, report.groups))
+            monkeypatch.undo()
+        for ord in (2.0, 3.0):
+            assert outs[name, True, ord] == outs[name, False, ord]
+    assert outs["b", True, 2.0] == outs["npz", True, 2.0]  # the same tensors in another layout: the same bits
+    monkeypatch.setattr(_engine, "_BYTES_PER_WORKER", 1)  # two workers, and forked ones, on a small input
+    monkeypatch.setattr(_engine, "_PROCESS_BYTES", 0)
+    monkeypatch.setattr(_engine, "CHUNK_BYTES", 1 << 14)  # runs of a few pairs: many tasks for the workers
+    monkeypatch.setattr(_engine, "_MIN_CHUNK", 1 << 14)
+    with open_checkpoint(a) as ca, open_checkpoint(tmp_path / "b.safetensors") as cb:
+        report = commands.diff(ca, cb, commands.Selection(), 2.0, depth=3, jobs=2)
+    assert repr((report.stats, report.tensors, report.others, report.groups)) == outs["b", True, 2.0]
+
+
+def test_many_small_pairs_make_no_accumulator_each(tmp_path, monkeypatch):
+    # found measuring many tiny pairs: a DiffAccumulator per pair (and its merge, result, row objects) was the cost
+    a, b = lora(tmp_path / "a.safetensors", 2000, 0), lora(tmp_path / "b.safetensors", 2000, 1)
+    made = []
+    init = core.DiffAccumulator.__init__
+    monkeypatch.setattr(core.DiffAccumulator, "__init__", lambda self, *args: made.append(1) or init(self, *args))
+    with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
+        report = commands.diff(ca, cb, commands.Selection(), 2.0)
+    assert len(report.tensors) == 2001 and len(made) < 10

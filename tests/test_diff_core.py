@@ -16,7 +16,10 @@ from hypothesis.extra import numpy as hnp
 
 import clipcli
 from clipcli import core
-from clipcli.core import BLOCK, DiffAccumulator, DiffStats, NormAccumulator, diff
+from clipcli.core import DiffStats, diff
+from clipcli.core.blocks import BLOCK, is_floating
+from clipcli.core.differences import DiffAccumulator
+from clipcli.core.norms import NormAccumulator
 
 F32, F64, BF16 = np.float32, np.float64, ml_dtypes.bfloat16
 
@@ -404,7 +407,7 @@ def test_accumulator_checks_its_arguments():
 
 def test_public_api_is_exported():
     assert clipcli.diff is core.diff
-    assert {"diff", "DiffAccumulator", "DiffStats"} <= set(core.__all__)
+    assert {"diff", "DiffStats"} <= set(core.__all__)
 
 
 # --- Hypothesis properties ---------------------------------------------------------------------------
@@ -426,7 +429,7 @@ PAIRS = [
 def make_pair(seed: int, size: int, da, db, specials: bool) -> tuple[np.ndarray, np.ndarray]:
     """A and B: random values of many magnitudes, B equal to A over long runs (identical chunks happen)."""
     rng = np.random.default_rng(seed)
-    if core.is_floating(da):
+    if is_floating(da):
         a = (rng.standard_normal(size) * np.exp(rng.uniform(-8, 8, size))).astype(da)
         if specials and size:
             at = rng.integers(0, size, max(size // 500, 1))
@@ -435,7 +438,7 @@ def make_pair(seed: int, size: int, da, db, specials: bool) -> tuple[np.ndarray,
         a = rng.integers(np.iinfo(da).min, np.iinfo(da).max, size, dtype=da, endpoint=True)
     b = a.astype(db)
     changed = rng.random(size) < rng.choice([0.0, 0.01, 0.5])
-    if core.is_floating(db):
+    if is_floating(db):
         b[changed] = (b[changed].astype(F64) * (1 + rng.standard_normal(int(changed.sum())) * 1e-3)).astype(db)
         run = -2  # a long run of B set apart from A
     else:

@@ -13,9 +13,13 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from clipcli import commands, core
+from clipcli import commands
 from clipcli.checkpoint import _engine, open_checkpoint
 from clipcli.cli import app
+from clipcli.core.blocks import BLOCK
+from clipcli.core.differences import DiffAccumulator
+from clipcli.core.exact import int_quotient, int_root, int_term, ldexp, sqrt_quotients
+from clipcli.core.small import small_diffs
 from tests.conftest import st_bytes
 
 ENV = {"NO_COLOR": "1", "COLUMNS": "100", "TERMINAL_WIDTH": "100"}
@@ -129,16 +133,16 @@ def test_small_pairs_measured_together_give_each_pairs_own_bits(p, da, db, speci
     # issue 22 item 24: 12,000 tiny pairs cost 1 ms each in DiffAccumulators; `small_diffs` measures a run of
     # them in a few NumPy passes, and must give every figure of each pair's own accumulator, bit for bit
     a, b, sizes = small_pairs(hash((p, str(da), str(db), specials)) % 2**32, da, db, specials)
-    s = core.small_diffs(a, b, sizes, p)
-    alone, total = [], core.DiffAccumulator(p)
+    s = small_diffs(a, b, sizes, p)
+    alone, total = [], DiffAccumulator(p)
     for start, n in zip(np.cumsum(sizes) - sizes, sizes, strict=True):
-        acc = core.DiffAccumulator(p)
+        acc = DiffAccumulator(p)
         acc.add(a[start : start + n], b[start : start + n])
         alone.append(acc)
         total.merge(acc)
     assert repr(s.figures()) == repr([acc.result().figures() for acc in alone])
     assert all(repr(s.accumulator(j).result()) == repr(acc.result()) for j, acc in enumerate(alone))
-    merged = core.DiffAccumulator(p)
+    merged = DiffAccumulator(p)
     s.merge_into(merged)
     assert repr(merged.result()) == repr(total.result())
     assert repr(s.shares_of(total)) == repr([acc.share_of(total) for acc in alone])
@@ -152,12 +156,12 @@ def test_rel_and_cosine_roots_in_double_double_are_the_exact_ones():
     a, b, c, d = (rng.random((4, n)) + 0.5) * np.exp2(rng.integers(-100, 100, (4, n)))
     b[: n // 2] = a[: n // 2]  # (Σab)² over Σa²Σb²: a square over a product
     c[n // 4 :] = a[n // 4 :] * (1 + rng.standard_normal(n - n // 4) * 1e-9)  # nearly 1: cosines of close pairs
-    sure, roots = core._sqrt_quotients(a, b, c, d)
+    sure, roots = sqrt_quotients(a, b, c, d)
     assert sure.mean() > 0.99
     for j in np.flatnonzero(sure).tolist():
-        terms = [core._int_term(float(x[j]), 0) for x in (a, b, c, d)]
+        terms = [int_term(float(x[j]), 0) for x in (a, b, c, d)]
         (na, ea), (nb, eb), (nc, ec), (nd, ed) = terms
-        exact = core._ldexp(*core._root(*core._int_quotient(na * nb, ea + eb, nc * nd, ec + ed), 2.0))
+        exact = ldexp(*int_root(*int_quotient(na * nb, ea + eb, nc * nd, ec + ed), 2.0))
         assert roots[j] == exact, (a[j], b[j], c[j], d[j])
 
 
@@ -170,7 +174,7 @@ def lora(path: Path, n: int, seed: int, gaps: bool = False) -> Path:
     for i in range(n):
         x = rng.standard_normal((8, 16)) + (noise.standard_normal((8, 16)) * 1e-3 if i % 3 else 0.0)
         tensors[f"layers.{i // 8}.lora_{i % 2}.{i}.weight"] = x.astype([F32, F32, F32, F16][i % 4])
-    tensors["big"] = rng.standard_normal(3 * core.BLOCK + 5).astype(F32) + seed  # not small: alone
+    tensors["big"] = rng.standard_normal(3 * BLOCK + 5).astype(F32) + seed  # not small: alone
     tensors["step"] = np.array(seed, np.int64)  # compared for sameness only
     if gaps:
         np.savez(path, **tensors)
@@ -208,8 +212,8 @@ def test_many_small_pairs_make_no_accumulator_each(tmp_path, monkeypatch):
     # issue 22 item 24: a DiffAccumulator per pair (and its merge, result, row objects) cost 1 ms a tensor
     a, b = lora(tmp_path / "a.safetensors", 2000, 0), lora(tmp_path / "b.safetensors", 2000, 1)
     made = []
-    init = core.DiffAccumulator.__init__
-    monkeypatch.setattr(core.DiffAccumulator, "__init__", lambda self, *args: made.append(1) or init(self, *args))
+    init = DiffAccumulator.__init__
+    monkeypatch.setattr(DiffAccumulator, "__init__", lambda self, *args: made.append(1) or init(self, *args))
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         report = commands.diff(ca, cb, commands.Selection(), 2.0)
     assert len(report.tensors) == 2001 and len(made) < 10

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from clipcli import core
+from clipcli import commands, core
 from tests.test_cli import ENV, SAMPLES, WIDE, fnorm, js, ok, reference, run, write_st
 
 NUMPY_DATA = Path(np.__file__).parent / "lib" / "tests" / "data"
@@ -84,7 +84,7 @@ def test_clip_norm_of_a_tensor_whose_norm_overflows_float64_is_finite(huge, tmp_
 
 
 def test_nothing_is_ever_written_with_a_nan_scale(grads, tmp_path, monkeypatch):
-    monkeypatch.setattr(core, "stats_clip_scale", lambda stats, clip: math.nan)
+    monkeypatch.setattr(commands, "stats_clip_scale", lambda stats, clip: math.nan)
     out = tmp_path / "o.safetensors"
     result = run("clip-global-norm", grads, "-o", out, "--clip-norm", "1")
     assert result.exit_code == 1

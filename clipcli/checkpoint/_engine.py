@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from clipcli.checkpoint._files import Span
-from clipcli.core import BLOCK
+from clipcli.core.blocks import BLOCK
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -114,9 +113,11 @@ def widen(x: np.ndarray, slot: str | None = "") -> tuple[np.ndarray | None, np.n
         return None, np.abs(x.astype(np.complex128, copy=False))
     if x.dtype == np.float64:
         return None, x
+    if slot is None and x.dtype == np.float16:  # NumPy's cast, in one pass: slow on subnormals only
+        return None, x.astype(np.float64)
     wide = np.empty(x.shape) if slot is None else scratch(x.size, np.float64, slot)
     if x.dtype == np.float16 and top16(x) < INF16:  # NumPy's float16 casts are slow (very, on subnormals)
-        float16_scaled_down(x.view(np.uint16).reshape(-1), wide.reshape(-1))
+        float16_scaled_down(x.view(np.uint16), wide)
         wide *= 2.0**112
         return None, wide
     if x.dtype == BFLOAT16:  # ml_dtypes widens bfloat16 to float64 fast (float16 is NumPy's: slow)
@@ -133,19 +134,17 @@ def top16(x: np.ndarray) -> int:
 
 
 def float16_scaled_down(bits: np.ndarray, wide: np.ndarray) -> None:
-    """Writes finite float16 values (given as flat bits) times 2**-112 into flat float64 `wide`, exactly.
+    """Writes finite float16 values (given as bits) times 2**-112 into float64 `wide`, exactly.
 
     Moved into float32 position, float16's exponent and mantissa are the float32 of |x| * 2**-112 (the
     exponent biases differ by 112; float16 subnormals become float32 subnormals): no float16 arithmetic.
     """
-    for start in range(0, bits.size, PIECE):  # the scratch buffer stays a piece, whatever the tensor
-        part = bits[start : start + PIECE]
-        u = scratch(part.size, np.uint32)
-        np.left_shift(part, 16, out=u, dtype=np.uint32)
-        signed = u.view(np.int32)
-        np.right_shift(signed, 3, out=signed)  # exponent and mantissa in place; the sign copied down
-        np.bitwise_and(u, 0x8FFFE000, out=u)  # and cleared where it was copied
-        np.copyto(wide[start : start + PIECE], u.view(np.float32))
+    u = scratch(bits.size, np.uint32)
+    np.left_shift(bits, 16, out=u, dtype=np.uint32)
+    signed = u.view(np.int32)
+    np.right_shift(signed, 3, out=signed)  # exponent and mantissa in place; the sign copied down
+    np.bitwise_and(u, 0x8FFFE000, out=u)  # and cleared where it was copied
+    np.copyto(wide, u.view(np.float32))
 
 
 def square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
@@ -224,16 +223,11 @@ def _fused_view(x: np.ndarray, kind: int) -> np.ndarray:
     return x.view(np.uint16) if kind else x
 
 
-def _row_squares(w: np.ndarray) -> np.ndarray:
-    """The sum of squares of each row of a float64 matrix, as a column."""
-    return row_dots(w, w)[:, None]
-
-
 def row_dots(x: np.ndarray, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Σxy of each row (a block) of two float64 matrices, in `_fused`'s fixed order of eight lanes.
 
     Lane j adds the terms j, j + 8, ... in turn; the lanes are then added pairwise (see clipcli/_fused.c).
-    The C loop takes 0.2 ns a value, as BLAS's dot product does, and is as accurate for a block of 8192
+    The C loop is as fast as BLAS's dot product, and as accurate for a block of 8192
     positive terms (<= 8192 * 2**-53 relative, within the 1e-12 the norms promise). Its order is the one
     `_fused.pair_sums` takes its four sums in, so the fused path of `DiffAccumulator` gives the bits of the
     others. A row's sum depends on its values alone (not on where it lies in memory), so a norm is the same
@@ -248,82 +242,69 @@ def row_dots(x: np.ndarray, y: np.ndarray, out: np.ndarray | None = None) -> np.
     return out
 
 
-def power_sums(w: np.ndarray, m: np.ndarray, p: float, axis: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Sums of |w|**p along `axis` as `s * 2**k`, shaped like `m`: each slice's largest magnitude, axes kept."""
-    return _power_sums(w, m, p, _as_is, lambda powers: powers.sum(axis=axis, keepdims=True))
-
-
-def row_power_sums(w: np.ndarray, m: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
-    """Sums of |w|**p of each row of `w` as `s * 2**k` (`m`: each row's peak), a block's in `row_dots`' order.
-
-    A row shorter than a block (a tensor's tail) is summed by `segment_power_sums`, as the tails of
-    `small_norms` and `small_diffs` are: the same bits alone and among other tails.
-    """
-    if w.shape[1] < BLOCK:
-        return segment_power_sums(w.reshape(-1), np.arange(0, w.size, w.shape[1]), m, p)
-    s, k = _power_sums(w, m[:, None], p, _as_is, _row_sums, _row_squares)
-    return s.ravel(), k.ravel()
-
-
-def segment_power_sums(w: np.ndarray, starts: np.ndarray, m: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
-    """Sums of |w|**p of the segments of a flat array that begin at `starts` (`m`: each one's peak), as s * 2**k.
-
-    Summed by `np.add.reduceat`, whose sum of a segment does not depend on its neighbours: the tail of a
-    tensor gives the same bits alone and among other tensors' (see `small_norms`).
-    """
-
-    def spread(a: np.ndarray) -> np.ndarray:
-        return np.repeat(a, np.diff(np.append(starts, w.size)))
-
-    return _power_sums(w, m, p, spread, lambda powers: np.add.reduceat(powers, starts))
-
-
-def _power_sums(
-    w: np.ndarray,
-    m: np.ndarray,
-    p: float,
-    spread: Callable[[np.ndarray], np.ndarray],
-    reduce: Callable[[np.ndarray], np.ndarray],
-    squares: Callable[[np.ndarray], np.ndarray] | None = None,
+def power_sums(
+    w: np.ndarray, m: np.ndarray, p: float, slices: Any, segments: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sums of |w|**p over slices of `w` as `s * 2**k`, rescaling slices whose powers leave float64's range.
+
+    The one kernel of the norms and the differences: over axes, rows of blocks, and segments of tails.
 
     Args:
         w: float64 values.
         m: the largest magnitude of each slice; `s` and `k` (int64) come shaped like it.
         p: the order.
-        spread: lays an array of one value per slice over `w` (to broadcast or repeat).
-        reduce: sums an array shaped like `w` per slice.
-        squares: for p = 2, sums the squares of `w` per slice instead, in an order of its own.
+        slices: the axes summed along, kept in `m` (axis 1 of a matrix: its rows are blocks, whose squares
+            are summed in `row_dots`' order); or, with `segments`, where each segment of a flat `w` starts.
+        segments: whether `slices` are the starts of segments, each summed by `np.add.reduceat`.
     """
     if math.isinf(p):  # the inf-norm needs the peaks alone
         return m, np.zeros(m.shape, np.int64)
     if p > POWER_OF_TWO_ORDER:
-        return _high_order_sums(w / spread(_divisors(m)), m, p, reduce)
+        return _high_order_sums(w / _spread(_divisors(m), w, slices, segments), m, p, slices, segments)
     e = np.frexp(m)[1].astype(np.int64)
     e = np.where(np.abs(e) * p > SCALE_LIMIT, e, 0)
     if e.any():
-        w = np.ldexp(w, -spread(e))
-    if p == 2.0 and squares is not None:
-        s = squares(w)
-    elif p == 2.0:
-        s = reduce(np.square(w))
+        w = np.ldexp(w, -_spread(e, w, slices, segments))
+    if p == 2.0 and not segments and slices == 1:
+        return row_dots(w, w)[:, None], np.where(e != 0, 2 * e, 0).astype(np.int64)
+    if p == 2.0:
+        powers = np.square(w)
     elif p == 1.0:
-        s = reduce(np.abs(w))
+        powers = np.abs(w)
     else:
-        s = reduce(np.power(np.abs(w), p))
+        powers = np.power(np.abs(w), p)
+    s = _slice_sums(powers, slices, segments)
     k, fraction = _times_order(e, p)
     return (s * np.exp2(fraction) if p != int(p) else s), k
 
 
-def _as_is(a: np.ndarray) -> np.ndarray:
-    """A per-slice array with the reduced axes kept: it broadcasts over the slices' values as it is."""
-    return a
+def row_power_sums(w: np.ndarray, m: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """`power_sums` of each row of `w` (`m`: their peaks), flat; a row shorter than a block (a tensor's tail)
+    summed by `segment_power_sums`, as the tails of `small_norms` and `small_diffs` are: the same bits alone
+    and among other tails."""
+    if w.shape[1] < BLOCK:
+        return segment_power_sums(w.reshape(-1), np.arange(0, w.size, w.shape[1]), m, p)
+    s, k = power_sums(w, m[:, None], p, 1)
+    return s.ravel(), k.ravel()
 
 
-def _row_sums(powers: np.ndarray) -> np.ndarray:
-    """Each row's sum, as a column."""
-    return powers.sum(axis=1, keepdims=True)
+def segment_power_sums(w: np.ndarray, starts: np.ndarray, m: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """`power_sums` of the segments of a flat array that begin at `starts` (`m`: each one's peak).
+
+    Summed by `np.add.reduceat`, whose sum of a segment does not depend on its neighbours: the tail of a
+    tensor gives the same bits alone and among other tensors' (see `small_norms`).
+    """
+    return power_sums(w, m, p, starts, segments=True)
+
+
+def _spread(a: np.ndarray, w: np.ndarray, slices: Any, segments: bool) -> np.ndarray:
+    """One value per slice laid over the slices' values: repeated along segments, else as it is (it broadcasts)."""
+    return np.repeat(a, np.diff(np.append(slices, w.size))) if segments else a
+
+
+def _slice_sums(x: np.ndarray, slices: Any, segments: bool) -> np.ndarray:
+    """The sum of each slice of `x`: of each segment, or along the axes (kept)."""
+    return np.add.reduceat(x, slices) if segments else x.sum(axis=slices, keepdims=True)
 
 
 def _times_order(e: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
@@ -350,12 +331,12 @@ def _divisors(m: np.ndarray) -> np.ndarray:
 
 
 def _high_order_sums(
-    ratios: np.ndarray, m: np.ndarray, p: float, reduce: Callable[[np.ndarray], np.ndarray]
+    ratios: np.ndarray, m: np.ndarray, p: float, slices: Any, segments: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sums of |x|**p for an order above `POWER_OF_TWO_ORDER`, as s * 2**k, from each slice's x / m.
 
     The largest ratio of a slice is exactly 1, so its powers stay in range (the smaller ones may vanish, as
-    they would against it); `reduce` sums them per slice, and the sums are multiplied by m**p, taken as
+    they would against it); they are summed per slice, and the sums are multiplied by m**p, taken as
     2**(p * log2 m) with the exponent split exactly: m = f * 2**e, p * e = floor(p) * e (an integer) plus
     (p - floor(p)) * e, and p * log2(f) lies in [-p, 0). Each ratio is off by half an ulp at most, its
     power by p half-ulps, and the sum's root by half an ulp again.
@@ -363,7 +344,7 @@ def _high_order_sums(
     r = np.abs(ratios)
     # Powers below 2**-1000 add nothing beside the slice's largest, 1; NumPy's powers are slow there (subnormals)
     powers = np.power(r, p, out=np.zeros_like(r), where=~(r < 2.0 ** (-1000.0 / p)))  # NaN stays NaN
-    s = reduce(powers)
+    s = _slice_sums(powers, slices, segments)
     f, e = np.frexp(_divisors(m))
     whole = math.floor(p)
     k = (p - whole) * e + p * np.log2(f)

@@ -490,7 +490,7 @@ def product_scales(ma: np.ndarray, mb: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def _count_nonzero(d: np.ndarray) -> int:
-    # np.count_nonzero on float64 is three times slower than on a boolean mask (NumPy 2.4)
+    # np.count_nonzero is much slower on float64 than on a boolean mask
     return int(np.count_nonzero(np.not_equal(d, 0.0, out=scratch(d.size, np.bool_).reshape(d.shape))))
 
 

@@ -41,7 +41,7 @@ def parse_ord(ord: Any) -> float:
     return p
 
 
-@dataclass(unsafe_hash=True)  # never changed once made; not frozen: made per tensor, and frozen ones make slower
+@dataclass(unsafe_hash=True)  # never changed once made; not frozen: one is made per tensor, and frozen is slower
 class NormStats:
     """The p-norm of a set of values, with their largest magnitude and non-finite counts."""
 
@@ -131,13 +131,13 @@ class NormAccumulator:
         pieces.sort(key=lambda piece: piece[0])
         values = pieces[0][1] if len(pieces) == 1 else np.concatenate([v for _, v in pieces])
         with np.errstate(invalid="ignore"):
-            self.add_rows(values.reshape(1, -1))
+            if values.size == BLOCK:
+                self._add_blocks(None, values.reshape(1, -1))
+            else:  # a tensor's tail: summed as `small_norms` sums it, alone or among others
+                self._add_tails(values, np.zeros(1, np.int64))
 
     def add_rows(self, w: np.ndarray) -> None:
-        """Adds rows of values widened to float64: whole blocks, or one shorter row, a tensor's tail.
-
-        A tail is summed as `small_norms` sums it, alone or among others.
-        """
+        """Adds rows of values widened to float64: whole blocks, or one shorter row, a tensor's tail."""
         if w.shape[1] < BLOCK:
             self._add_tails(w.reshape(-1), np.zeros(1, np.int64))
         else:

@@ -55,7 +55,7 @@ def _plain_bounds(lo: np.ndarray, hi: np.ndarray) -> bool:
 def _clip_float16(t: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     """`clip_by_value` for float16 values without NaN and scalar bounds (not -0.0), on integer keys.
 
-    NumPy compares float16 at ~20 ns a value. A value's key is its magnitude's bits, negated when the
+    NumPy's float16 comparisons are slow. A value's key is its magnitude's bits, negated when the
     sign is set: keys order as the values do, +-0 equal. Clipped keys turn back into bits; -0.0 stays
     -0.0 where it is kept, as NumPy's float16 minimum and maximum keep a value equal to a bound.
     """
@@ -243,8 +243,6 @@ def _matrix_norm(t: np.ndarray, ord: Any, axes: tuple[int, int]) -> np.ndarray:
         return axis_norm(t, 1.0, (rows,)).max(axis=cols, keepdims=True)
     if ord == math.inf:
         return axis_norm(t, 1.0, (cols,)).max(axis=rows, keepdims=True)
-    with np.errstate(invalid="ignore"):  # signalling NaNs in the data: NaN norms all the same
-        values = widen(t, None)[1] if t.dtype.kind != "c" else t.astype(np.complex128)
-    w = np.moveaxis(values, (rows, cols), (-2, -1))
+    w = np.moveaxis(widen(t, None)[1] if t.dtype.kind != "c" else t.astype(np.complex128), (rows, cols), (-2, -1))
     sigma = np.linalg.svd(w, compute_uv=False)[..., 0]
     return np.expand_dims(sigma, axis=(rows, cols))

@@ -249,7 +249,7 @@ def _round_to_odd(x: np.ndarray, out: np.ndarray) -> np.ndarray:
 def _scaled_float16(t: np.ndarray, factor: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     """`scaled` for finite float16 values and a factor >= 0: the exact product, rounded once to float16.
 
-    Bits are moved instead of NumPy's float16 casts, which take 10-50 ns per value on subnormals (most
+    Bits are moved instead of NumPy's float16 casts, which are slow on subnormals (most
     of a float16 gradient), and no float32 arithmetic sees a subnormal (as slow).
     """
     result = np.empty_like(t) if out is None else out

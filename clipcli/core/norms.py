@@ -70,9 +70,16 @@ class NormAccumulator:
 
     @classmethod
     def whole(cls, p: float, size: int, max_abs: float, nan: int, inf: int, term: tuple[float, int]) -> NormAccumulator:
-        """An accumulator that has seen a whole tensor: its counts, and its sum of |x|**p as `term`, (s, k): s * 2**k.
+        """An accumulator that has seen a whole tensor, measured elsewhere (`small_norms`).
 
-        The term is left out where the tensor holds NaN or Inf, and for the inf-norm.
+        Args:
+            p: the order.
+            size: how many values the tensor holds.
+            max_abs: the largest magnitude.
+            nan: the NaN values.
+            inf: the infinite values.
+            term: the sum of |x|**p as (s, k): s * 2**k; left out where the tensor holds NaN or Inf, and for
+                the inf-norm.
         """
         acc = cls(p)
         acc.size = acc._position = size

@@ -24,7 +24,7 @@ from clipcli.core.blocks import (
     widen,
 )
 from clipcli.core.exact import ExactSum, add_signed, cosine_of, quotient, root_value, share, signed, to_float
-from clipcli.core.norms import NormAccumulator, NormStats, parse_ord
+from clipcli.core.norms import NormAccumulator, NormStats, norm_of, parse_ord
 
 # Pieces of pairs in `DiffAccumulator`'s fast path: twice as large, as it makes twice the NumPy calls a piece
 # (larger still is slower with two workers, whose scratch buffers then crowd the shared cache).
@@ -185,14 +185,7 @@ class DiffAccumulator:
         a, b = self._a.result(), self._b.result()
         a2, b2 = self._a2.result(), self._b2.result()
         max_abs_diff = math.nan if self.nan_diff else self.max_abs_diff
-        if self.nan_diff:
-            diff_norm = math.nan
-        elif self.inf_diff:
-            diff_norm = math.inf
-        elif math.isinf(self.p):
-            diff_norm = self.max_abs_diff
-        else:
-            diff_norm = max(root_value(self._diff, self.p), self.max_abs_diff)  # as `NormAccumulator.result`
+        diff_norm = norm_of(self._diff, self.p, self.max_abs_diff, self.nan_diff, self.inf_diff)[0]
         nonfinite = a.nan + a.inf + b.nan + b.inf > 0
         return DiffStats(
             diff_norm=diff_norm,

@@ -221,16 +221,7 @@ class NormAccumulator:
         """The norm and statistics of everything added so far."""
         if self._fragments:
             self._flush()
-        exact = None
-        if self.nan:
-            value = math.nan
-        elif self.inf:
-            value = math.inf
-        elif math.isinf(self.p):
-            value = self.max_abs
-        else:
-            exact = self._sum.root(self.p)
-            value = max(ldexp(*exact), self.max_abs)  # a p-norm is never below it (rounded powers could put it so)
+        value, exact = norm_of(self._sum, self.p, self.max_abs, self.nan, self.inf)
         return NormStats(value, self.max_abs, self.nan, self.inf, self.size, exact)
 
     def _flush(self) -> None:
@@ -269,6 +260,24 @@ class NormAccumulator:
         sums, k = row_power_sums(w, m, self.p)
         for s, e in zip(sums.tolist(), k.tolist(), strict=True):
             self._sum.add(s, e)
+
+
+def norm_of(total: ExactSum, p: float, peak: float, nan: int, inf: int) -> tuple[float, tuple[float, int] | None]:
+    """The p-norm of values whose |x|**p sum to `total` and whose largest magnitude is `peak`.
+
+    NaN where a value is NaN, inf where one is infinite; never below `peak` (rounded powers could put it so).
+
+    Returns:
+        The norm, and its exact root as (m, e): m * 2**e (None for NaN or inf values, and the inf-norm).
+    """
+    if nan:
+        return math.nan, None
+    if inf:
+        return math.inf, None
+    if math.isinf(p):
+        return peak, None
+    exact = total.root(p)
+    return max(ldexp(*exact), peak), exact
 
 
 def given_norm_stats(use_norm: Any) -> NormStats:

@@ -43,7 +43,7 @@ class SmallNorms:
     def accumulator(self, i: int) -> NormAccumulator:
         """What adding tensor i to a `NormAccumulator` of its own gives."""
         counts = float(self.max_abs[i]), int(self.nan[i]), int(self.inf[i])
-        return NormAccumulator.whole(self.p, int(self.size[i]), *counts, self.term(i))
+        return NormAccumulator.whole(self.p, int(self.size[i]), *counts, (float(self.sums[i]), int(self.exps[i])))
 
     def norms(self) -> np.ndarray:
         """Each tensor's norm, as `accumulator(i).result().norm`.

@@ -69,14 +69,14 @@ def is_floating(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype in _ML_FLOATS
 
 
-def is_inexact(dtype: np.dtype) -> bool:
+def _is_inexact(dtype: np.dtype) -> bool:
     """Whether `dtype` is a floating or complex type."""
     return is_floating(dtype) or np.dtype(dtype).kind == "c"
 
 
 def check_inexact(t: np.ndarray, op: str) -> None:
     """Raises TypeError, naming `op`, unless `t` is a floating or complex tensor."""
-    if not is_inexact(t.dtype):
+    if not _is_inexact(t.dtype):
         raise TypeError(f"{op} needs a floating or complex tensor, got {t.dtype.name}")
 
 

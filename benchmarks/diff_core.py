@@ -17,7 +17,8 @@ import time
 import ml_dtypes
 import numpy as np
 
-from clipcli.core import DiffAccumulator, NormAccumulator
+from clipcli.core.differences import DiffAccumulator
+from clipcli.core.norms import NormAccumulator
 
 
 def best(f, reps: int) -> float:

@@ -15,9 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from clipcli import core
 from clipcli.checkpoint import _engine, open_checkpoint
 from clipcli.commands import _Diffs, _Norms
+from clipcli.core.blocks import BLOCK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diff_core import best  # the best of some runs, as diff_core.py takes it
@@ -52,7 +52,7 @@ def main() -> None:
             times = [
                 best(
                     lambda k=kind, n=jobs: _engine.run_pairs(
-                        (ca, cb), pairs, lambda: _Diffs(2.0, numeric), n, core.BLOCK, kind=k
+                        (ca, cb), pairs, lambda: _Diffs(2.0, numeric), n, BLOCK, kind=k
                     ),
                     args.reps,
                 )

@@ -348,7 +348,7 @@ def _positive_finite(value: float, text: str, param: str) -> None:
 def _parse_ord(text: str) -> float:
     if text.lower() in ("inf", "infinity"):
         return math.inf
-    from clipcli.core import MAX_ORDER
+    from clipcli.core.norms import MAX_ORDER
 
     value = _parse_float(text, "--ord")
     if not value > 0:

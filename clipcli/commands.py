@@ -15,9 +15,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from clipcli import core
 from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, Place, TensorInfo, byte_layout, check_plan, placed, save
 from clipcli.checkpoint._engine import pair_values, run, run_pairs
+from clipcli.core import clip_by_norm, clip_by_value
+from clipcli.core.axes import axis_power_sums, normalize_axes, row_group
+from clipcli.core.blocks import BLOCK, add_power_sums, is_floating
+from clipcli.core.differences import DiffAccumulator, DiffFigures
+from clipcli.core.norms import NormAccumulator, NormStats, given_norm_stats
+from clipcli.core.scale import scaled, stats_clip_scale, sums_clip_scale, tensor_clip_scale
+from clipcli.core.small import SmallDiffs, SmallNorms, small_diffs, small_norms
 from clipcli.errors import CheckFailedError, UnsupportedError, UsageError
 from clipcli.report import (
     CheckpointReport,
@@ -50,7 +56,7 @@ class Progress:
 _NO_PROGRESS = Progress()
 
 
-_floating = functools.lru_cache(core.is_floating)  # asked per tensor: few dtypes, 12,000 tensors
+_floating = functools.lru_cache(is_floating)  # asked per tensor: few dtypes, 12,000 tensors
 
 
 class Selection(NamedTuple):
@@ -135,7 +141,7 @@ def inspect(
 class _Measured:
     rows: list[TensorRow]
     skipped: list[Skipped]
-    total: core.NormAccumulator
+    total: NormAccumulator
     per_tensor: _PerTensor
 
 
@@ -174,27 +180,27 @@ class _Norms:
 
     def __init__(self, p: float):
         self.p = p
-        self.accs: dict[str, core.NormAccumulator] = {}
-        self.small: list[tuple[list[str], core.SmallNorms]] = []  # runs of small tensors, by name
+        self.accs: dict[str, NormAccumulator] = {}
+        self.small: list[tuple[list[str], SmallNorms]] = []  # runs of small tensors, by name
 
     def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> None:
         acc = self.accs.get(t.name)
         if acc is None:
-            acc = self.accs[t.name] = core.NormAccumulator(self.p)
+            acc = self.accs[t.name] = NormAccumulator(self.p)
         acc.add(values, offset // values.itemsize)
 
     def batch(self, ts: list[TensorInfo], raw: np.ndarray, starts: list[int]) -> None:
         """Whole small tensors read together: runs of one native dtype, fewer than BLOCK values each, in a
-        few NumPy passes for the run (`core.small_norms`, the same bits)."""
+        few NumPy passes for the run (`small_norms`, the same bits)."""
         i = 0
         while i < len(ts):
             t = ts[i]
             dtype = t.array_dtype
-            if t.stored_dtype is not None or t.size >= core.BLOCK or not core.is_floating(dtype):
+            if t.stored_dtype is not None or t.size >= BLOCK or not is_floating(dtype):
                 self.chunk(t, 0, _values(raw, starts[i], t))
                 i += 1
                 continue
-            small = core.BLOCK * dtype.itemsize  # fewer bytes than this: fewer values than a block
+            small = BLOCK * dtype.itemsize  # fewer bytes than this: fewer values than a block
             j = i + 1
             while j < len(ts) and _joins(ts[j], dtype, small):
                 j += 1
@@ -206,10 +212,10 @@ class _Norms:
                 values = np.concatenate([raw[starts[k] : starts[k] + ts[k].nbytes] for k in range(i, j)])
                 values = values.view(dtype)
             sizes = [u.nbytes // dtype.itemsize for u in run]
-            self.small.append(([u.name for u in run], core.small_norms(values, sizes, self.p)))
+            self.small.append(([u.name for u in run], small_norms(values, sizes, self.p)))
             i = j
 
-    def result(self) -> tuple[dict[str, core.NormAccumulator], list[tuple[list[str], core.SmallNorms]]]:
+    def result(self) -> tuple[dict[str, NormAccumulator], list[tuple[list[str], SmallNorms]]]:
         return self.accs, self.small
 
 
@@ -229,7 +235,7 @@ def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
 
 class _PerTensor(dict):
     """Each tensor's accumulator by name (or each pair's by number, for diff); those of small tensors measured
-    together (`batches`) are made from their `core.SmallNorms` (`core.SmallDiffs`) when first asked for (by
+    together (`batches`) are made from their `SmallNorms` (`SmallDiffs`) when first asked for (by
     --depth, or a clip)."""
 
     def __init__(self, batches: Sequence[tuple[list[Any], Any]] = ()):
@@ -246,8 +252,8 @@ class _PerTensor(dict):
 def _combined(
     p: float,
     tensors: list[TensorInfo],
-    parts: Iterable[dict[str, core.NormAccumulator]],
-    batches: Sequence[tuple[list[str], core.SmallNorms]] = (),
+    parts: Iterable[dict[str, NormAccumulator]],
+    batches: Sequence[tuple[list[str], SmallNorms]] = (),
 ) -> _PerTensor:
     """Each tensor's norm from the workers' parts (exactly: the same bits however the chunks were shared)."""
     per_tensor = _PerTensor(batches)
@@ -259,7 +265,7 @@ def _combined(
                 per_tensor[name] = acc
     for t in tensors:
         if t.name not in per_tensor and t.name not in per_tensor._where:
-            per_tensor[t.name] = core.NormAccumulator(p)  # no chunks: empty
+            per_tensor[t.name] = NormAccumulator(p)  # no chunks: empty
     return per_tensor
 
 
@@ -279,7 +285,7 @@ def _measure(
 
 def _measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: _PerTensor, p: float) -> _Measured:
     """The report's rows from each selected tensor's accumulated norm (small tensors' in a few NumPy passes)."""
-    total = core.NormAccumulator(p)
+    total = NormAccumulator(p)
     stats: dict[str, tuple[float, float, int, int]] = {}
     for names, s in per_tensor.batches:
         s.merge_into(total)
@@ -310,11 +316,11 @@ def _measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: _P
 
 
 def _groups(m: _Measured, depth: int, p: float) -> tuple[Group, ...]:
-    accs: dict[str, core.NormAccumulator] = {}
+    accs: dict[str, NormAccumulator] = {}
     counts: dict[str, int] = {}
     for r in m.rows:
         key = ".".join(r.name.split(".")[:depth])
-        accs.setdefault(key, core.NormAccumulator(p)).merge(m.per_tensor[r.name])
+        accs.setdefault(key, NormAccumulator(p)).merge(m.per_tensor[r.name])
         counts[key] = counts.get(key, 0) + 1
     out = []
     for key, acc in accs.items():
@@ -468,7 +474,7 @@ class _Clips:
         if self.places is not None:
             self.places[t.name].write(offset, values)
 
-    def result(self) -> tuple[dict[str, core.NormAccumulator], dict[str, core.NormAccumulator]]:
+    def result(self) -> tuple[dict[str, NormAccumulator], dict[str, NormAccumulator]]:
         return ({} if self.before is None else self.before.accs), self.after.accs
 
 
@@ -499,11 +505,11 @@ def _write_in_order(
 ) -> tuple[_PerTensor, _PerTensor]:
     """`_write` for outputs whose bytes must come in order: chunks computed by threads, written in turn."""
 
-    def work(t: TensorInfo, offset: int, chunk: np.ndarray) -> tuple[np.ndarray, tuple[core.NormAccumulator, ...]]:
+    def work(t: TensorInfo, offset: int, chunk: np.ndarray) -> tuple[np.ndarray, tuple[NormAccumulator, ...]]:
         op = ops.get(t.name)
         if op is None:
             return chunk, ()
-        read, written = core.NormAccumulator(2), core.NormAccumulator(2)
+        read, written = NormAccumulator(2), NormAccumulator(2)
         if measure_first:
             read.add(chunk, offset // chunk.itemsize)
         out = op.apply(chunk)
@@ -512,7 +518,7 @@ def _write_in_order(
 
     before, after = _PerTensor(), _PerTensor()
     for name in ops:
-        before[name], after[name] = core.NormAccumulator(2), core.NormAccumulator(2)
+        before[name], after[name] = NormAccumulator(2), NormAccumulator(2)
     progress.phase("writing", sum(t.nbytes for t in ckpt.tensors))
     results = ckpt.map_chunks(ckpt.tensors, work, job.jobs, align={n: op.align for n, op in ops.items()})
     stream = _InOrder(results)
@@ -533,9 +539,9 @@ def _write_in_order(
 
 
 def _finish(
-    ckpt: Checkpoint, job: ClipJob, m: _Measured, after: dict[str, core.NormAccumulator], **fields: object
+    ckpt: Checkpoint, job: ClipJob, m: _Measured, after: dict[str, NormAccumulator], **fields: object
 ) -> CheckpointReport:
-    total_after = core.NormAccumulator(2)
+    total_after = NormAccumulator(2)
     rows = []
     for r in m.rows:
         acc = after.get(r.name, m.per_tensor[r.name])
@@ -580,13 +586,13 @@ def clip_global_norm(
     if not job.allow_nonfinite:
         check_nonfinite(str(ckpt.path), m.rows)
     if use_norm is None:
-        scale = core.stats_clip_scale(m.total.result(), clip_norm)
+        scale = stats_clip_scale(m.total.result(), clip_norm)
     else:
         # as the library's clip_by_global_norm takes it: a tiny scale keeps its bits
-        scale = core.stats_clip_scale(core.given_norm_stats(use_norm), clip_norm)
+        scale = stats_clip_scale(given_norm_stats(use_norm), clip_norm)
     _refuse_nan_scale(str(ckpt.path), scale, job)
     # Chunks are the workers' own buffers: scaling them in place allocates nothing.
-    ops = {} if scale == 1.0 else {r.name: _Op(lambda c: core.scaled(c, scale, out=c)) for r in m.rows}
+    ops = {} if scale == 1.0 else {r.name: _Op(lambda c: scaled(c, scale, out=c)) for r in m.rows}
     _, after = _write(ckpt, job, ops, progress)
     return _finish(ckpt, job, m, after, clip={"clip_norm": clip_norm}, scale=scale)
 
@@ -645,7 +651,7 @@ def _axes_misfit(axes: tuple[int, ...], rank: int) -> str | None:
 
 def _reduces_rows(t: TensorInfo, axes: tuple[int, ...] | None) -> bool:
     """Whether clip-norm takes norms across rows (axis 0 among the axes, not all of them) of a C-order tensor."""
-    ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
+    ax = None if axes is None else normalize_axes(axes, len(t.shape))
     return ax is not None and 0 in ax and len(ax) < len(t.shape) and not t.fortran_order
 
 
@@ -655,20 +661,20 @@ def _axis_sums(
     """Sums of squares over axes that include axis 0, streamed: one more read of these tensors, in row groups.
 
     The groups' float64 sums are added in the order of the rows as they arrive (the threads of
-    `map_chunks` keep it), as `core.clip_by_norm` adds them, so a file gives the same bits as the array
+    `map_chunks` keep it), as `clip_by_norm` adds them, so a file gives the same bits as the array
     in memory and nothing larger than a group's sums is held.
     """
 
     def group_sums(t: TensorInfo, offset: int, chunk: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        return core.axis_power_sums(chunk.reshape(-1, *t.shape[1:]), core.normalize_axes(axes, len(t.shape)), 2.0)
+        return axis_power_sums(chunk.reshape(-1, *t.shape[1:]), normalize_axes(axes, len(t.shape)), 2.0)
 
-    align = {t.name: max(core.row_group(t.shape) * math.prod(t.shape[1:]), 1) for t in tensors}
+    align = {t.name: max(row_group(t.shape) * math.prod(t.shape[1:]), 1) for t in tensors}
     totals: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     results = ckpt.map_chunks(tensors, group_sums, jobs, align=align)
     try:
         for t, parts in results:
             for part in parts:
-                totals[t.name] = core.add_power_sums(totals.get(t.name), part)
+                totals[t.name] = add_power_sums(totals.get(t.name), part)
     finally:
         results.close()  # type: ignore[attr-defined]
     return totals
@@ -676,7 +682,7 @@ def _axis_sums(
 
 def _clip_norm_op(
     t: TensorInfo,
-    stats: core.NormStats,
+    stats: NormStats,
     clip: float,
     axes: tuple[int, ...] | None,
     axis_sums: tuple[np.ndarray, np.ndarray] | None,
@@ -689,30 +695,30 @@ def _clip_norm_op(
     `axis_sums` (streamed before) give one scale per slice across the rows. A tensor in Fortran order
     is held in memory.
     """
-    ax = None if axes is None else core.normalize_axes(axes, len(t.shape))
+    ax = None if axes is None else normalize_axes(axes, len(t.shape))
     if t.size == 0:  # no values: nothing to clip
         return None
     if ax is None or len(ax) == len(t.shape):
-        scale = core.tensor_clip_scale(stats, clip)
+        scale = tensor_clip_scale(stats, clip)
         _refuse_nan_scale(t.file, scale, job)
-        return None if scale == 1.0 else _Op(lambda c: core.scaled(c, scale, out=c))
+        return None if scale == 1.0 else _Op(lambda c: scaled(c, scale, out=c))
     if t.fortran_order:
-        return _Op(lambda c: core.clip_by_norm(c.reshape(t.shape, order="F"), clip, ax).ravel(order="F"), t.size)
+        return _Op(lambda c: clip_by_norm(c.reshape(t.shape, order="F"), clip, ax).ravel(order="F"), t.size)
     rest = t.shape[1:]
     row = math.prod(rest)
     if 0 in ax:
         if axis_sums is None:  # no values
             return None
-        scales = core.sums_clip_scale(*axis_sums, clip)
+        scales = sums_clip_scale(*axis_sums, clip)
         if (scales == 1.0).all():
             return None
-        return _Op(lambda c: core.scaled(c.reshape(-1, *rest), scales, out=c.reshape(-1, *rest)).reshape(-1), row)
+        return _Op(lambda c: scaled(c.reshape(-1, *rest), scales, out=c.reshape(-1, *rest)).reshape(-1), row)
     group = max(_ROW_GROUP // max(row, 1), 1)
 
     def clip_rows(c: np.ndarray) -> np.ndarray:
         rows = c.reshape(-1, *rest)
         for i in range(0, len(rows), group):  # a few rows at a time: float64 temporaries stay small
-            rows[i : i + group] = core.clip_by_norm(rows[i : i + group], clip, ax)
+            rows[i : i + group] = clip_by_norm(rows[i : i + group], clip, ax)
         return c
 
     return _Op(clip_rows, row)
@@ -726,7 +732,7 @@ def clip_value(
     One pass: the norms before clipping are taken from the chunks as they are read.
     """
     selected, skipped = _select_to_clip(ckpt, selection, real_only=True)
-    ops = {t.name: _Op(lambda c: core.clip_by_value(c, lo, hi, out=c)) for t in selected}
+    ops = {t.name: _Op(lambda c: clip_by_value(c, lo, hi, out=c)) for t in selected}
     before, after = _write(ckpt, job, ops, progress, measure_first=True)
     return _finish(ckpt, job, _measured(selected, skipped, before, 2.0), after, clip={"min": lo, "max": hi})
 
@@ -814,8 +820,8 @@ class _Diffs:
 
     def __init__(self, p: float, pairs: list[tuple[TensorInfo, TensorInfo]], numeric: list[bool]):
         self.p, self.pairs, self.numeric = p, pairs, numeric
-        self.accs: dict[int, core.DiffAccumulator] = {}
-        self.small: list[tuple[list[int], core.SmallDiffs]] = []  # runs of small pairs, by pair number
+        self.accs: dict[int, DiffAccumulator] = {}
+        self.small: list[tuple[list[int], SmallDiffs]] = []  # runs of small pairs, by pair number
         self.differs: set[int] = set()  # pairs some of whose bytes (or dtypes) differ
         self.values_differ: set[int] = set()  # pairs compared for sameness some of whose values differ
 
@@ -823,7 +829,7 @@ class _Diffs:
         self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
     ) -> None:
         """Whole small pairs read together: runs of pairs of one pair of native floating dtypes, fewer than
-        BLOCK values each, in a few NumPy passes for the run (`core.small_diffs`, the same bits); the others
+        BLOCK values each, in a few NumPy passes for the run (`small_diffs`, the same bits); the others
         pair by pair."""
         i = 0
         for key, group in itertools.groupby(self._run_key(k) for k in ids):
@@ -836,11 +842,11 @@ class _Diffs:
             i = j
 
     def _run_key(self, i: int) -> tuple[np.dtype, np.dtype] | None:
-        """The dtypes of pair i where it is measured among other small pairs of them (`core.small_diffs`:
+        """The dtypes of pair i where it is measured among other small pairs of them (`small_diffs`:
         native floating values, fewer than BLOCK and more than none); None where it is measured alone."""
         a, b = self.pairs[i]
         small = self.numeric[i] and a.stored_dtype is None and b.stored_dtype is None
-        return (a.array_dtype, b.array_dtype) if small and 0 < a.size < core.BLOCK else None
+        return (a.array_dtype, b.array_dtype) if small and 0 < a.size < BLOCK else None
 
     def _run(
         self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
@@ -850,7 +856,7 @@ class _Diffs:
         va = _gathered(raw_a, starts_a, [a for a, _ in run], ta.array_dtype)
         vb = _gathered(raw_b, starts_b, [b for _, b in run], tb.array_dtype)
         sizes = [a.nbytes // ta.array_dtype.itemsize for a, _ in run]
-        self.small.append((list(ids), core.small_diffs(va, vb, sizes, self.p)))
+        self.small.append((list(ids), small_diffs(va, vb, sizes, self.p)))
         if ta.array_dtype != tb.array_dtype:
             self.differs.update(ids)
             return
@@ -868,7 +874,7 @@ class _Diffs:
             return
         acc = self.accs.get(i)
         if acc is None:
-            acc = self.accs[i] = core.DiffAccumulator(self.p)
+            acc = self.accs[i] = DiffAccumulator(self.p)
         if same:
             acc.add_identical(a)
         else:
@@ -876,7 +882,7 @@ class _Diffs:
 
     def result(
         self,
-    ) -> tuple[dict[int, core.DiffAccumulator], list[tuple[list[int], core.SmallDiffs]], set[int], set[int]]:
+    ) -> tuple[dict[int, DiffAccumulator], list[tuple[list[int], SmallDiffs]], set[int], set[int]]:
         return self.accs, self.small, self.differs, self.values_differ
 
 
@@ -969,7 +975,7 @@ def diff(
             pairs.append((ta, tb))
             numeric.append(_comparable(ta) and _comparable(tb))
     progress.phase("comparing", sum(x.nbytes + y.nbytes for x, y in pairs))
-    results = run_pairs((a, b), pairs, lambda: _Diffs(p, pairs, numeric), jobs, core.BLOCK, progress.advance)
+    results = run_pairs((a, b), pairs, lambda: _Diffs(p, pairs, numeric), jobs, BLOCK, progress.advance)
     per_pair = _PerTensor([batch for _, small, _, _ in results for batch in small])
     differs: set[int] = set()
     values_differ: set[int] = set()
@@ -977,10 +983,10 @@ def diff(
         differs |= worker_differs
         values_differ |= worker_values_differ
         for i, acc in accs.items():
-            per_pair.setdefault(i, core.DiffAccumulator(p)).merge(acc)
-    total = core.DiffAccumulator(p)
+            per_pair.setdefault(i, DiffAccumulator(p)).merge(acc)
+    total = DiffAccumulator(p)
     # each numeric pair's figures (an empty tensor's, which has no chunks, those of no values)
-    figures: list[core.DiffFigures | None] = [None] * len(pairs)
+    figures: list[DiffFigures | None] = [None] * len(pairs)
     for ids, s in per_pair.batches:
         s.merge_into(total)
         for i, f in zip(ids, s.figures(), strict=True):
@@ -1005,7 +1011,7 @@ def diff(
             reason = f"floating in {'A' if _comparable(ta) else 'B'} only" if floating else "not a floating tensor"
             others.append(DiffRow.other(ta, tb, identical, i not in values_differ, reason))
             continue
-        f = figures[i] or core.DiffAccumulator(p).result().figures()
+        f = figures[i] or DiffAccumulator(p).result().figures()
         share = (f[2] / g) ** p if plain else shares.get(i, 0.0)
         rows.append(DiffRow(ta.name, ta.shape, ta.dtype, tb.dtype, ta.nbytes, identical, *f, share))
     every = _diff_groups(per_pair, pairs, numeric, depth, p, total) if depth else ()
@@ -1033,14 +1039,14 @@ def _diff_groups(
     numeric: list[bool],
     depth: int,
     p: float,
-    total: core.DiffAccumulator,
+    total: DiffAccumulator,
 ) -> list[DiffGroup]:
-    totals: dict[str, core.DiffAccumulator] = {}
+    totals: dict[str, DiffAccumulator] = {}
     counts: dict[str, int] = {}
     for i, (ta, _) in enumerate(pairs):
         if numeric[i]:
             key = ".".join(ta.name.split(".")[:depth])
-            totals.setdefault(key, core.DiffAccumulator(p)).merge(accs[i])
+            totals.setdefault(key, DiffAccumulator(p)).merge(accs[i])
             counts[key] = counts.get(key, 0) + 1
     out = []
     for key, acc in totals.items():

@@ -59,7 +59,7 @@ def raw_safetensors(header: dict, data: bytes = b"", length: int | None = None) 
 def first_tensor_norm_and_peak(path: Path):
     """The norm statistics of a checkpoint's first tensor, read in chunks, and the peak bytes allocated."""
     from clipcli.checkpoint import open_checkpoint
-    from clipcli.core import NormAccumulator
+    from clipcli.core.norms import NormAccumulator
 
     tracemalloc.start()
     try:

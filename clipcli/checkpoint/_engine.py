@@ -26,7 +26,7 @@ import numpy as np
 
 from clipcli._stops import StopsHeld, ignore_in_worker
 from clipcli.checkpoint._files import Span
-from clipcli.core import BLOCK
+from clipcli.core.blocks import BLOCK
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

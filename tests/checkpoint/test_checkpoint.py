@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from clipcli.checkpoint import Checkpoint, _safetensors, open_checkpoint, save
-from clipcli.core import NormAccumulator
+from clipcli.core.norms import NormAccumulator
 from clipcli.errors import FileTypeError, MalformedError, MissingFileError, UnsupportedError, UsageError, WriteError
 from tests.helpers import (
     SAMPLES,

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from clipcli.checkpoint import CHUNK_BYTES, MAX_LZMA_DICTIONARY, open_checkpoint
-from clipcli.core import NormAccumulator
+from clipcli.core.norms import NormAccumulator
 from clipcli.errors import ClipcliError
 from tests.helpers import byte_mutations, first_tensor_norm_and_peak, st_bytes
 

@@ -504,7 +504,7 @@ def test_clip_global_norm_of_finite_values_beyond_float64_scales_by_the_exact_no
 
 def test_nothing_is_ever_written_with_a_nan_scale(grads, tmp_path, monkeypatch):
     # found trying clipcli as a new user: a global norm beyond float64 gave a NaN scale, and NaNs were written
-    monkeypatch.setattr(core, "stats_clip_scale", lambda stats, clip: math.nan)
+    monkeypatch.setattr(commands, "stats_clip_scale", lambda stats, clip: math.nan)
     out = tmp_path / "o.safetensors"
     result = run("clip-global-norm", grads, "-o", out, "--clip-norm", "1")
     assert result.exit_code == 1

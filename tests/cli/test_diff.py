@@ -16,6 +16,8 @@ from safetensors.numpy import load_file
 
 from clipcli import core
 from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.core.blocks import BLOCK
+from clipcli.core.differences import DiffAccumulator
 from tests.helpers import DATA, SAMPLES, js, ok, run, write_st
 
 F32 = np.float32
@@ -222,12 +224,12 @@ def _diffs(ckpt_a, ckpt_b, kind, jobs):
     from clipcli.commands import _Diffs
 
     results = _engine.run_pairs(
-        (ckpt_a, ckpt_b), pairs, lambda: _Diffs(2.0, pairs, [True] * len(pairs)), jobs, core.BLOCK, kind=kind
+        (ckpt_a, ckpt_b), pairs, lambda: _Diffs(2.0, pairs, [True] * len(pairs)), jobs, BLOCK, kind=kind
     )
     accs = {}
     for worker, _, _, _ in results:
         for i, acc in worker.items():
-            accs.setdefault(i, core.DiffAccumulator(2.0)).merge(acc)
+            accs.setdefault(i, DiffAccumulator(2.0)).merge(acc)
     return {pairs[i][0].name: acc.result() for i, acc in accs.items()}
 
 

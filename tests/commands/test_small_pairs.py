@@ -6,8 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from clipcli import commands, core
+from clipcli import commands
 from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.core.blocks import BLOCK
+from clipcli.core.differences import DiffAccumulator
 from tests.helpers import write_st
 
 F32, F16 = np.float32, np.float16
@@ -22,7 +24,7 @@ def lora(path: Path, n: int, seed: int, gaps: bool = False) -> Path:
     for i in range(n):
         x = rng.standard_normal((8, 16)) + (noise.standard_normal((8, 16)) * 1e-3 if i % 3 else 0.0)
         tensors[f"layers.{i // 8}.lora_{i % 2}.{i}.weight"] = x.astype([F32, F32, F32, F16][i % 4])
-    tensors["big"] = rng.standard_normal(3 * core.BLOCK + 5).astype(F32) + seed  # not small: alone
+    tensors["big"] = rng.standard_normal(3 * BLOCK + 5).astype(F32) + seed  # not small: alone
     tensors["step"] = np.array(seed, np.int64)  # compared for sameness only
     if gaps:
         np.savez(path, **tensors)
@@ -60,8 +62,8 @@ def test_many_small_pairs_make_no_accumulator_each(tmp_path, monkeypatch):
     # found measuring many tiny pairs: a DiffAccumulator per pair (and its merge, result, row objects) was the cost
     a, b = lora(tmp_path / "a.safetensors", 2000, 0), lora(tmp_path / "b.safetensors", 2000, 1)
     made = []
-    init = core.DiffAccumulator.__init__
-    monkeypatch.setattr(core.DiffAccumulator, "__init__", lambda self, *args: made.append(1) or init(self, *args))
+    init = DiffAccumulator.__init__
+    monkeypatch.setattr(DiffAccumulator, "__init__", lambda self, *args: made.append(1) or init(self, *args))
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         report = commands.diff(ca, cb, commands.Selection(), 2.0)
     assert len(report.tensors) == 2001 and len(made) < 10

@@ -16,7 +16,12 @@ from hypothesis.extra import numpy as hnp
 
 import clipcli
 from clipcli import core
-from clipcli.core import BLOCK, DiffAccumulator, DiffStats, NormAccumulator, diff
+from clipcli.core import DiffStats, diff
+from clipcli.core.blocks import BLOCK, is_floating
+from clipcli.core.differences import DiffAccumulator
+from clipcli.core.exact import int_quotient, int_root, int_term, ldexp, sqrt_quotients
+from clipcli.core.norms import NormAccumulator
+from clipcli.core.small import small_diffs
 
 F32, F64, BF16, F16 = np.float32, np.float64, ml_dtypes.bfloat16, np.float16
 
@@ -404,7 +409,7 @@ def test_accumulator_checks_its_arguments():
 
 def test_public_api_is_exported():
     assert clipcli.diff is core.diff
-    assert {"diff", "DiffAccumulator", "DiffStats"} <= set(core.__all__)
+    assert {"diff", "DiffStats"} <= set(core.__all__)
 
 
 # --- Hypothesis properties ---------------------------------------------------------------------------
@@ -426,7 +431,7 @@ PAIRS = [
 def make_pair(seed: int, size: int, da, db, specials: bool) -> tuple[np.ndarray, np.ndarray]:
     """A and B: random values of many magnitudes, B equal to A over long runs (identical chunks happen)."""
     rng = np.random.default_rng(seed)
-    if core.is_floating(da):
+    if is_floating(da):
         a = (rng.standard_normal(size) * np.exp(rng.uniform(-8, 8, size))).astype(da)
         if specials and size:
             at = rng.integers(0, size, max(size // 500, 1))
@@ -435,7 +440,7 @@ def make_pair(seed: int, size: int, da, db, specials: bool) -> tuple[np.ndarray,
         a = rng.integers(np.iinfo(da).min, np.iinfo(da).max, size, dtype=da, endpoint=True)
     b = a.astype(db)
     changed = rng.random(size) < rng.choice([0.0, 0.01, 0.5])
-    if core.is_floating(db):
+    if is_floating(db):
         b[changed] = (b[changed].astype(F64) * (1 + rng.standard_normal(int(changed.sum())) * 1e-3)).astype(db)
         run = -2  # a long run of B set apart from A
     else:
@@ -602,16 +607,16 @@ def test_small_pairs_measured_together_give_each_pairs_own_bits(p, da, db, speci
     # found measuring many tiny pairs: a DiffAccumulator each cost too much; `small_diffs` measures a run of them
     # in a few NumPy passes, and must give every figure of each pair's own accumulator, bit for bit
     a, b, sizes = small_pairs(hash((p, str(da), str(db), specials)) % 2**32, da, db, specials)
-    s = core.small_diffs(a, b, sizes, p)
-    alone, total = [], core.DiffAccumulator(p)
+    s = small_diffs(a, b, sizes, p)
+    alone, total = [], DiffAccumulator(p)
     for start, n in zip(np.cumsum(sizes) - sizes, sizes, strict=True):
-        acc = core.DiffAccumulator(p)
+        acc = DiffAccumulator(p)
         acc.add(a[start : start + n], b[start : start + n])
         alone.append(acc)
         total.merge(acc)
     assert repr(s.figures()) == repr([acc.result().figures() for acc in alone])
     assert all(repr(s.accumulator(j).result()) == repr(acc.result()) for j, acc in enumerate(alone))
-    merged = core.DiffAccumulator(p)
+    merged = DiffAccumulator(p)
     s.merge_into(merged)
     assert repr(merged.result()) == repr(total.result())
     assert repr(s.shares_of(total)) == repr([acc.share_of(total) for acc in alone])
@@ -625,10 +630,10 @@ def test_rel_and_cosine_roots_in_double_double_are_the_exact_ones():
     a, b, c, d = (rng.random((4, n)) + 0.5) * np.exp2(rng.integers(-100, 100, (4, n)))
     b[: n // 2] = a[: n // 2]  # (Σab)² over Σa²Σb²: a square over a product
     c[n // 4 :] = a[n // 4 :] * (1 + rng.standard_normal(n - n // 4) * 1e-9)  # nearly 1: cosines of close pairs
-    sure, roots = core._sqrt_quotients(a, b, c, d)
+    sure, roots = sqrt_quotients(a, b, c, d)
     assert sure.mean() > 0.99
     for j in np.flatnonzero(sure).tolist():
-        terms = [core._int_term(float(x[j]), 0) for x in (a, b, c, d)]
+        terms = [int_term(float(x[j]), 0) for x in (a, b, c, d)]
         (na, ea), (nb, eb), (nc, ec), (nd, ed) = terms
-        exact = core._ldexp(*core._root(*core._int_quotient(na * nb, ea + eb, nc * nd, ec + ed), 2.0))
+        exact = ldexp(*int_root(*int_quotient(na * nb, ea + eb, nc * nd, ec + ed), 2.0))
         assert roots[j] == exact, (a[j], b[j], c[j], d[j])

@@ -18,10 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clipcli import core
-from clipcli.core import BLOCK, DiffAccumulator, NormAccumulator
+from clipcli.core import blocks as core_blocks
+from clipcli.core.blocks import BLOCK, row_dots
+from clipcli.core.differences import DiffAccumulator
+from clipcli.core.norms import NormAccumulator
 
 F32 = np.float32
-_fused = core._fused
+_fused = core_blocks._fused
 # Set by .ci/run: there the loops must have been built (pip says nothing when they are not).
 REQUIRED = os.environ.get("CLIPCLI_REQUIRE_FUSED") == "1"
 needs_loops = pytest.mark.skipif(_fused is None, reason="clipcli/_fused.c was not built (no compiler?)")
@@ -61,7 +64,7 @@ def test_row_dots_are_the_lane_sums_bit_for_bit(seed, rows, cols):
     rows_ = zip(x.tolist(), y.tolist(), strict=True)
     expected = [lane_sum([u * v for u, v in zip(xr, yr, strict=True)]) for xr, yr in rows_]
     assert out.tolist() == expected
-    assert core._row_dots(x, y).tolist() == expected
+    assert row_dots(x, y).tolist() == expected
 
 
 # dtype, its kind, and the spread of binary exponents that fits it (subnormals and zeros included)
@@ -220,7 +223,7 @@ def chunked(a, b, cuts, identical: bool):
 def test_without_the_loops_the_figures_agree_and_keep_their_bits_in_any_chunks(seed, size, cuts, identical):
     a, b = random_pair(seed, size)
     fused = chunked(a, b, [], False)
-    with mock.patch.object(core, "_fused", None):
+    with mock.patch.object(core_blocks, "_fused", None):
         plain = chunked(a, b, [], False)
         assert repr(chunked(a, b, cuts, identical)) == repr(plain)  # BLAS's order: the same on every path
         norm = NormAccumulator()
@@ -258,7 +261,7 @@ def test_norms_without_the_loops_agree_and_keep_their_bits_in_any_chunks(seed, s
         x[seed % size] = special
     fused = chunked_norm(x, cuts)
     assert repr(fused) == repr(chunked_norm(x, []))
-    with mock.patch.object(core, "_fused", None):
+    with mock.patch.object(core_blocks, "_fused", None):
         plain = chunked_norm(x, [])
         assert repr(chunked_norm(x, cuts)) == repr(plain)
     assert fused == pytest.approx(plain, rel=1e-15, nan_ok=True)
@@ -298,7 +301,7 @@ def test_every_path_adds_a_block_the_same_bits(dtype):
 
     def paths(make, values, values_nan):
         ways = [fed(make(), values, n), fed(make(), values, 5000)]  # whole, and cut (blocks in pieces)
-        with mock.patch.dict(core._FUSED_KINDS, clear=True):  # no fused loop: NumPy's pieces
+        with mock.patch.dict(core_blocks._FUSED_KINDS, clear=True):  # no fused loop: NumPy's pieces
             ways.append(fed(make(), values, n))
         nan = fed(make(), values_nan, n)
         alone = fed(make(), [v[:clean] for v in values], n)

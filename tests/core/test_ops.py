@@ -18,7 +18,13 @@ from hypothesis.extra import numpy as hnp
 
 import clipcli
 from clipcli import core
-from clipcli.core import NormAccumulator, clip_by_global_norm, clip_by_norm, clip_by_value, global_norm, norm
+from clipcli.core import axes as core_axes
+from clipcli.core import clip_by_global_norm, clip_by_norm, clip_by_value, global_norm, norm
+from clipcli.core.axes import axis_norm, axis_power_sums, row_group
+from clipcli.core.blocks import BLOCK, add_power_sums, power_sums_root, widen
+from clipcli.core.norms import NormAccumulator
+from clipcli.core.scale import _float32_precision, scaled
+from clipcli.core.small import small_norms
 
 F32 = np.float32
 
@@ -488,12 +494,12 @@ def test_exact_sum_rounds_correctly_across_tensors():
 @pytest.mark.parametrize("dtype", [F32, np.float64, np.float16, ml_dtypes.bfloat16, np.complex64])
 def test_scaled_into_out_equals_scaled(dtype):
     t = (np.arange(-50, 50) * 1.37).astype(dtype)
-    expected = core.scaled(t, 0.3)
+    expected = scaled(t, 0.3)
     buf = t.copy()
-    assert core.scaled(buf, 0.3, out=buf) is buf
+    assert scaled(buf, 0.3, out=buf) is buf
     assert buf.tobytes() == expected.tobytes()
     same = t.copy()
-    assert core.scaled(same, 1.0, out=same).tobytes() == t.tobytes()
+    assert scaled(same, 1.0, out=same).tobytes() == t.tobytes()
 
 
 def test_signalling_nans_are_counted_without_warnings():
@@ -503,7 +509,7 @@ def test_signalling_nans_are_counted_without_warnings():
     acc = NormAccumulator(2)
     acc.add(x)
     assert acc.result().nan == 1
-    assert np.isnan(core.scaled(x, 0.5)[3]) and np.isnan(clip_by_value(x, 0, 1)[3])
+    assert np.isnan(scaled(x, 0.5)[3]) and np.isnan(clip_by_value(x, 0, 1)[3])
     assert math.isnan(norm(x.reshape(2, 4), axis=1)[0])
 
 
@@ -513,10 +519,10 @@ def test_every_16_bit_value_widens_exactly(dtype):
     x = np.arange(1 << 16, dtype=np.uint16).view(dtype)
     with np.errstate(invalid="ignore"):  # signalling NaNs
         reference = x.astype(np.float64)
-        wide = core._widen(x)[1]
+        wide = widen(x)[1]
     np.testing.assert_array_equal(wide, reference)
     values = x[np.isfinite(reference)]
-    np.testing.assert_array_equal(core._widen(values)[1], values.astype(np.float64))
+    np.testing.assert_array_equal(widen(values)[1], values.astype(np.float64))
     # the block sums of squares (p = 2) and the general path (p = 3) against exact rational sums
     exact = [Fraction(float(v)) for v in values.astype(np.float64)]
     squares = NormAccumulator(2)
@@ -536,7 +542,7 @@ def test_every_16_bit_value_widens_exactly(dtype):
 
 def test_float16_subnormals_keep_the_fast_path_exact():
     # gradients stored as float16 are mostly tiny: subnormals below 2**-14 must widen exactly
-    t = (np.random.default_rng(3).standard_normal(3 * core.BLOCK + 11) * 1e-5).astype(np.float16)
+    t = (np.random.default_rng(3).standard_normal(3 * BLOCK + 11) * 1e-5).astype(np.float16)
     assert (np.abs(t.astype(np.float64)) < 2.0**-14).mean() > 0.5
     assert norm(t) == pytest.approx(exact_norm(t.astype(np.float64)), rel=1e-14)
     assert norm(t, ord=np.inf) == float(np.abs(t.astype(np.float64)).max())
@@ -589,15 +595,15 @@ def test_16_and_8_bit_floats_are_scaled_with_one_rounding(dtype):
         factors += [3.0, 2.0**14, 1e30]
     for f in factors:
         expected = rounded_once(x, float(round_fraction(Fraction(f), min_exponent=None)), dtype)
-        got = core.scaled(x, f)
+        got = scaled(x, f)
         assert got.view(f"u{dtype.itemsize}").tobytes() == expected.view(f"u{dtype.itemsize}").tobytes(), f
     t = x[: 3 * (x.size // 3)].reshape(3, -1)
     expected = rounded_once(t, float(F32(0.3)), dtype)
-    assert core.scaled(t, 0.3).tobytes() == expected.tobytes()
+    assert scaled(t, 0.3).tobytes() == expected.tobytes()
     same = t.copy()
-    assert core.scaled(same, 0.3, out=same) is same and same.tobytes() == expected.tobytes()
+    assert scaled(same, 0.3, out=same) is same and same.tobytes() == expected.tobytes()
     columns = t.T  # not contiguous: the path for views
-    assert core.scaled(columns, 0.3).tobytes() == expected.T.copy().tobytes()
+    assert scaled(columns, 0.3).tobytes() == expected.T.copy().tobytes()
 
 
 def round_fraction(q: Fraction, bits: int = 24, min_exponent: int | None = -149) -> Fraction:
@@ -635,7 +641,7 @@ def test_a_scale_below_float32s_normal_range_keeps_24_bits(values, exponent, man
     scale24 = round_fraction(Fraction(scale), min_exponent=None)
     x = np.array(values, F32)
     for t in (x, x.astype(np.complex64)):
-        got = core.scaled(t, scale)
+        got = scaled(t, scale)
         assert got.dtype == t.dtype
         expected = [round_fraction(Fraction(float(v)) * scale24) for v in x.tolist()]
         assert [Fraction(float(v)) for v in got.real.tolist()] == expected, scale
@@ -644,9 +650,9 @@ def test_a_scale_below_float32s_normal_range_keeps_24_bits(values, exponent, man
 def test_a_scale_in_float32s_range_takes_the_float32_product():
     # found by a review: every scale not exactly a float32 (0.3) took the float64 product (same bits, 4x slower)
     for scale in (0.3, 1.0, 0.0, 2.0**-126, np.array([0.3, 1e-20])):
-        assert core._float32_precision(np.asarray(scale, np.float64)).dtype == np.float32
+        assert _float32_precision(np.asarray(scale, np.float64)).dtype == np.float32
     for scale in (1e-43, np.array([0.3, 1e-43]), 1e39):
-        assert core._float32_precision(np.asarray(scale, np.float64)).dtype == np.float64
+        assert _float32_precision(np.asarray(scale, np.float64)).dtype == np.float64
 
 
 def test_clipping_float32s_near_their_largest_keeps_the_scales_precision():
@@ -737,12 +743,12 @@ def test_float16_scaling_with_special_values_and_negative_factors():
     x = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     x = x[np.isfinite(x)]
     for f in (-0.5, -(1 / 3), -1e-3):  # the path for factors below zero: the same rounding
-        assert core.scaled(x, f).tobytes() == rounded_once(x, float(F32(f)), np.dtype(np.float16)).tobytes()
+        assert scaled(x, f).tobytes() == rounded_once(x, float(F32(f)), np.dtype(np.float16)).tobytes()
     # non-finite values go NumPy's way (exact products here: nothing to round)
     special = np.array([np.inf, -np.inf, np.nan, 1.0, -(2.0**-20)], np.float16)
     with np.errstate(invalid="ignore"):
         for f in (0.5, -0.5, np.nan):
-            assert core.scaled(special, f).tobytes() == (special.astype(F32) * F32(f)).astype(np.float16).tobytes()
+            assert scaled(special, f).tobytes() == (special.astype(F32) * F32(f)).astype(np.float16).tobytes()
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e5m2", "float16"])
@@ -784,20 +790,20 @@ def test_norms_across_rows_fold_groups_the_same_however_the_rows_are_cut(shape, 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     t = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, shape)).astype(F32)  # sums that round
     axes = data.draw(st.sampled_from([a for a in [(0,), (0, 1), (0, 2), (0, 1, 2)] if max(a) < t.ndim]))
-    original = core._GROUP
-    core._GROUP = group_values * math.prod(t.shape[1:])  # a few rows per group, so there are several
+    original = core_axes._GROUP
+    core_axes._GROUP = group_values * math.prod(t.shape[1:])  # a few rows per group, so there are several
     try:
-        whole = core._axis_norm(t, 2.0, axes)
-        group = core.row_group(t.shape)
+        whole = axis_norm(t, 2.0, axes)
+        group = row_group(t.shape)
         cuts = sorted(data.draw(st.sets(st.integers(1, max(t.shape[0] // group, 1)), max_size=3)))
         bounds = [0, *(c * group for c in cuts if c * group < t.shape[0]), t.shape[0]]
         total = None
         for a, b in itertools.pairwise(bounds):
-            for part in core.axis_power_sums(t[a:b], axes, 2.0):
-                total = core.add_power_sums(total, part)
-        streamed = core.power_sums_root(*total, 2.0)
+            for part in axis_power_sums(t[a:b], axes, 2.0):
+                total = add_power_sums(total, part)
+        streamed = power_sums_root(*total, 2.0)
     finally:
-        core._GROUP = original
+        core_axes._GROUP = original
     assert streamed.tobytes() == whole.tobytes()
     w = t.astype(np.float64)
     reference = np.sqrt(np.sum(w * w, axis=axes, keepdims=True))
@@ -894,7 +900,7 @@ def test_small_norms_are_the_bits_of_an_accumulator_per_tensor(data, dtype, ord_
     for _ in range(data.draw(st.integers(0, 3))):
         if x.size:
             x[rng.integers(x.size)] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
-    small = core.small_norms(x, sizes, ord_)
+    small = small_norms(x, sizes, ord_)
     accs, total, start = [], NormAccumulator(ord_), 0
     for n in sizes:
         acc = NormAccumulator(ord_)
@@ -973,7 +979,7 @@ def test_a_high_order_norm_is_the_same_bits_in_any_chunks_and_bounded_in_memory(
     # blocks whose largest magnitudes lie 2**1700 apart: their sums' exponents p * 1700 bits apart (2e18 at
     # 1e15), which an exact integer sum could not hold; the sum keeps its top 4096 bits
     rng = np.random.default_rng(5)
-    n = 5 * core.BLOCK + 123
+    n = 5 * BLOCK + 123
     x = rng.standard_normal(n) * np.exp(rng.uniform(-600, 600, n))
     whole = NormAccumulator(p)
     whole.add(x)
@@ -981,16 +987,16 @@ def test_a_high_order_norm_is_the_same_bits_in_any_chunks_and_bounded_in_memory(
     for start in range(0, n, 3001):
         chunked.add(x[start : start + 3001])
     merged = NormAccumulator(p)
-    for start in range(0, n, core.BLOCK):
+    for start in range(0, n, BLOCK):
         part = NormAccumulator(p)
-        part.add(x[start : start + core.BLOCK])
+        part.add(x[start : start + BLOCK])
         merged.merge(part)
     assert whole.result() == chunked.result() == merged.result()
     assert whole._sum.acc.bit_length() <= 4097
     top = float(np.abs(x).max())
     exact = decimal_norm([float(v) for v in x[np.abs(x) >= top / 2]], str(p))  # the others add < 2**-1500
     assert abs(Decimal(whole.result().norm) - exact) <= Decimal("1e-12") * exact
-    small = core.small_norms(x[:5000], [1000, 4000], ord=p).norms()
+    small = small_norms(x[:5000], [1000, 4000], ord=p).norms()
     assert small[1] == norm(x[1000:5000], ord=p)
     stats = core.diff(x, np.zeros(n), ord=p)
     assert stats.diff_norm == stats.norm_a == whole.result().norm

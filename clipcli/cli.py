@@ -5,14 +5,15 @@
 
 import contextlib
 import errno
+import importlib
 import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -28,9 +29,6 @@ from clipcli.errors import (
     printable,
     stop_status,
 )
-
-if TYPE_CHECKING:
-    from clipcli.report import CheckpointReport
 
 
 class _Command(typer.core.TyperCommand):
@@ -272,10 +270,13 @@ def _stopped(status: ExitStatus) -> NoReturn:
 
 
 @contextlib.contextmanager
-def _errors(debug: bool) -> Iterator[None]:
-    """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70)."""
+def _errors(debug: bool, command: str) -> Iterator[None]:
+    """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70).
+
+    `command`: the module of `clipcli.commands` the command runs, imported first (`_import_command`).
+    """
     try:
-        _import_commands()
+        _import_command(command)
         _lost_reports.clear()
         yield
         if _lost_reports:  # no gate failed: the lost report is the outcome
@@ -291,12 +292,13 @@ def _errors(debug: bool) -> Iterator[None]:
         _failed(e, debug)
 
 
-def _import_commands() -> None:
-    """Imports the commands, and NumPy with them, with stops held until the import is done: a KeyboardInterrupt
-    raised inside NumPy's import comes out as an ImportError after NumPy's C code printed its traceback."""
+def _import_command(command: str) -> None:
+    """Imports a command's module, and NumPy with it, with stops held until the import is done: a
+    KeyboardInterrupt raised inside NumPy's import comes out as an ImportError after NumPy's C code printed its
+    traceback."""
     resume = defer_stops()
     try:
-        import clipcli.commands  # noqa: F401
+        importlib.import_module(f"clipcli.commands.{command}")
     finally:
         resume()
 
@@ -344,11 +346,6 @@ def _parse_limit(text: str, param: str) -> float:
     return value
 
 
-def _over(value: float, limit: float) -> bool:
-    """Whether a gate fails: the figure is above its threshold, or not a finite number (the spec), even under inf."""
-    return not (math.isfinite(value) and value <= limit)
-
-
 def _positive_finite(value: float, text: str, param: str) -> None:
     if not (math.isfinite(value) and value > 0):
         _usage(f"must be a finite number > 0, got {text}", param)
@@ -391,7 +388,7 @@ def _is_terminal(stream: Any) -> bool:
 @contextlib.contextmanager
 def _progress(total: int, quiet: bool) -> Iterator[Any]:
     """A progress bar on stderr for long work, only when stderr is a terminal; it names each pass."""
-    from clipcli.commands import Progress
+    from clipcli.commands.passes import Progress
 
     if quiet or total < PROGRESS_MIN_BYTES or not _is_terminal(sys.stderr):
         yield Progress()
@@ -445,29 +442,20 @@ def _write(text: str, for_programs: bool) -> None:
 _lost_reports: list[Exception] = []  # a report `_emit` could not write, raised once the command's gates passed
 
 
-def _emit(
-    command: str,
-    p: float,
-    reports: list["CheckpointReport"],
-    fmt: Format,
-    quiet: bool,
-    report_file: Path | None = None,
-    diff: Any = None,
-) -> None:
-    from clipcli import report as render
+def _emit(report: Any, fmt: Format, quiet: bool, report_file: Path | None = None) -> None:
+    """The report on stdout in `fmt` (unless `quiet`), and as JSON in `report_file`."""
     from clipcli.checkpoint._files import atomic_write
 
-    rep = render.Report(command, p, tuple(reports), diff)
     if report_file is not None:
         with atomic_write(report_file) as f:
-            f.write(render.to_json(rep).encode("utf-8"))
+            f.write(report.to_json().encode("utf-8"))
     if quiet:
         return
     for_programs = fmt in (Format.json, Format.csv)
     if for_programs:
-        text = render.to_json(rep) if fmt is Format.json else render.to_csv(rep)
+        text = report.to_json() if fmt is Format.json else report.to_csv()
     else:
-        text = render.render_text(rep, getattr(sys.stdout, "encoding", None) or "utf-8")
+        text = report.to_text(getattr(sys.stdout, "encoding", None) or "utf-8")
     try:
         _write(text, for_programs)
     except OSError as e:  # a full disk under `> norms.json`, a reader gone: the report, not the checkpoint, is lost
@@ -482,6 +470,14 @@ def _emit(
         _lost_reports.append(e if isinstance(e, BrokenPipeError) else lost)
 
 
+def _gates(failure: str | None) -> None:
+    """Exits 1 with the line of a failed gate (after the report is out)."""
+    if failure is not None:
+        from clipcli.errors import CheckFailedError
+
+        raise CheckFailedError(failure)
+
+
 def _jobs(jobs: int | None) -> int:
     """--jobs, or the cores this process may run on: never more workers than cores (more would only
     contend for them, and each takes memory)."""
@@ -494,7 +490,7 @@ def _selection(include: list[str] | None, exclude: list[str] | None, *ckpts: Any
 
     (A selection left empty is refused later, by the command, with a usage error instead.)
     """
-    from clipcli.commands import Selection
+    from clipcli.commands.select import Selection
 
     selection = Selection(tuple(include or ()), tuple(exclude or ()))
     if any(selection.listed(t) for c in ckpts for t in c.tensors):
@@ -525,17 +521,18 @@ def inspect(
     debug: Debug = False,
 ) -> None:
     """List tensor names, dtypes, shapes, element counts, sizes and the file's metadata, from the headers."""
-    with _errors(debug):
-        from clipcli import commands
+    with _errors(debug, "inspect"):
         from clipcli.checkpoint import open_checkpoint
+        from clipcli.commands import inspect as command
+        from clipcli.report.listing import InspectReport
 
         opened = [open_checkpoint(path) for path in checkpoints]
-        selection = _selection(include, exclude, *opened)
-        reports = []
+        options = command.InspectOptions(_selection(include, exclude, *opened), sort and sort.value, top)
+        listings = []
         for ckpt in opened:
             with ckpt:
-                reports.append(commands.inspect(ckpt, selection, sort and sort.value, top))
-        _emit("inspect", 2.0, reports, fmt, quiet)
+                listings.append(command.inspect(ckpt, options))
+        _emit(InspectReport(tuple(listings)), fmt, quiet)
 
 
 @app.command(
@@ -572,90 +569,71 @@ def global_norm(
     A gate (--fail-above, --fail-nonfinite) never passes because nothing was measured: a checkpoint with no
     floating tensor selected is a usage error (exit 2) when a gate is given.
     """
-    with _errors(debug):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
+    with _errors(debug, "global_norm"):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
         p = _parse_ord(ord)
         limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
-        gated = limit is not None or fail_nonfinite
-        from clipcli import commands
         from clipcli.checkpoint import open_checkpoint
-        from clipcli.errors import CheckFailedError, UsageError
+        from clipcli.commands import gates
+        from clipcli.commands import global_norm as command
+        from clipcli.report.norms import NormReport
 
+        limits = command.NormLimits(limit, fail_nonfinite, fail_above)
         opened = [open_checkpoint(path) for path in checkpoints]
         selection = _selection(include, exclude, *opened)
+        options = command.NormOptions(selection, p, depth, sort and sort.value, top, _jobs(jobs))
         total = sum(t.nbytes for c in opened for t in c.tensors)
-        reports = []
+        measured = []
         with _progress(total, quiet) as progress:
             for ckpt in opened:
                 with ckpt:
-                    sort_key = sort and sort.value
-                    report = commands.global_norm(ckpt, selection, p, depth, sort_key, top, progress, _jobs(jobs))
-                    if gated and not report.summary.tensors:
-                        gate = "--fail-above" if limit is not None else "--fail-nonfinite"
-                        message = "no floating tensor is selected, so the gate has nothing to check"
-                        raise UsageError(message, ckpt.path, gate)
-                    reports.append(report)
-        _emit("global-norm", p, reports, fmt, quiet)
-        failures: list[CheckFailedError] = []  # every checkpoint that fails a gate, named in one line
-        for r in reports:
-            try:
-                if fail_nonfinite:
-                    commands.check_nonfinite(r.path, r.summary.nonfinite)
-                if limit is not None and _over(r.global_norm, limit):
-                    raise CheckFailedError(_exceeds("global norm", r.global_norm, "--fail-above", fail_above), r.path)
-            except CheckFailedError as e:
-                failures.append(e)
-        if len(failures) == 1:
-            raise failures[0]
-        if failures:
-            listed = "; ".join(map(str, failures))
-            raise CheckFailedError(f"{len(failures)} of {len(reports)} checkpoints fail their gates: {listed}")
+                    norms = command.global_norm(ckpt, options, progress)
+                    command.check_measured(norms, limits)
+                    measured.append(norms)
+        report = NormReport(p, tuple(measured))
+        _emit(report, fmt, quiet)
+        _gates(gates.failure(command.failures(report, limits), len(measured)))
 
 
-def _exceeds(what: str, value: float, gate: str, limit: str) -> str:
-    """'global norm 6.1 exceeds --fail-above 1', or 'global norm is nan, not finite (--fail-above 1)'."""
-    if math.isfinite(value):
-        return f"{what} {value!r} exceeds {gate} {limit}"
-    return f"{what} is {value!r}, not finite ({gate} {limit})"
+def _clip(
+    run: Any,
+    kind: Any,
+    checkpoint: Path,
+    output: str | None,
+    in_place: bool,
+    dry_run: bool,
+    drop_metadata: bool,
+    report_file: Path | None,
+    quiet: bool,
+    fmt: Format,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    passes: int = 2,
+    **options: Any,
+) -> None:
+    """The part the clip commands share: the output checked, the options made, the command run, the report out.
 
-
-def _clip(ctx: typer.Context, run: Callable[..., "CheckpointReport"], passes: int = 2) -> None:
-    """The part the clip commands share, from their parsed options (`ctx.params`, by parameter name).
-
-    `passes`: how many times the command reads the checkpoint, for the progress bar.
+    `run`: the function of `clipcli.commands.clip` to run; `kind`: its options' type; `options`: their fields but
+    those of the output and the selection; `passes`: how many times the command reads the checkpoint, for the
+    progress bar.
     """
-    from clipcli import commands
-    from clipcli.checkpoint import check_output, check_plan, check_report, open_checkpoint
+    from clipcli.checkpoint import check_report, open_checkpoint
+    from clipcli.commands.write import output_target
 
-    o = ctx.params  # Click's values: paths may be strings, enums their values
-    in_place, dry_run = o["in_place"], o["dry_run"]
-    if in_place and o["output"] is not None:
+    if in_place and output is not None:
         _usage("give either -o/--output or --in-place, not both", "--in-place")
-    if o["output"] is None and not (in_place or dry_run):
+    if output is None and not (in_place or dry_run):
         _usage("missing; give -o OUT, --in-place or --dry-run", "-o/--output")
-    with open_checkpoint(Path(o["checkpoint"])) as ckpt:
-        if o["drop_metadata"]:
+    with open_checkpoint(checkpoint) as ckpt:
+        if drop_metadata:
             ckpt.metadata = {}
-        target = None
-        if not dry_run or in_place or o["output"] is not None:
-            param = "--in-place" if in_place else "-o"
-            target = check_output(ckpt.path if in_place else o["output"], ckpt, param=param)
-        if dry_run and target is not None:
-            check_plan(ckpt, target, in_place)  # what the write would refuse, refused on a dry run too
-            target = None
-        if o["report_file"] is not None:
-            check_report(o["report_file"], ckpt, target)
-        job = commands.ClipJob(
-            target,
-            in_place,
-            o.get("allow_nonfinite", False),
-            _jobs(o["jobs"]),
-            getattr(o["sort"], "value", o["sort"]),
-            o["top"],
-        )
-        with _progress(passes * sum(t.nbytes for t in ckpt.tensors), o["quiet"]) as progress:
-            result = run(ckpt, _selection(o["include"], o["exclude"], ckpt), job, progress=progress)
-    report = None if o["report_file"] is None else Path(o["report_file"])
-    _emit(ctx.info_name or "", 2.0, [result], Format(o["fmt"]), o["quiet"], report)
+        target = output_target(ckpt, output, in_place, dry_run)
+        if report_file is not None:
+            check_report(report_file, ckpt, target)
+        selection = _selection(include, exclude, ckpt)
+        settings = kind(output=target, in_place=in_place, selection=selection, **options)
+        with _progress(passes * sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
+            result = run(ckpt, settings, progress)
+    _emit(result, fmt, quiet, report_file)
 
 
 @app.command(
@@ -668,7 +646,6 @@ def _clip(ctx: typer.Context, run: Callable[..., "CheckpointReport"], passes: in
     ),
 )
 def clip_value(
-    ctx: typer.Context,
     checkpoint: OneCheckpoint,
     min_: Annotated[
         str,
@@ -707,10 +684,14 @@ def clip_value(
     lo, hi = _parse_float(min_, "--min"), _parse_float(max_, "--max")
     if lo > hi:
         _usage(f"--min {min_} exceeds --max {max_}", "--min")
-    with _errors(debug):
-        from clipcli import commands
+    with _errors(debug, "clip"):
+        from clipcli.commands import clip
 
-        _clip(ctx, lambda *a, **k: commands.clip_value(*a, lo, hi, **k), passes=1)
+        _clip(
+            clip.clip_value, clip.ClipValueOptions, checkpoint, output, in_place, dry_run, drop_metadata, report_file,
+            quiet, fmt, include, exclude, passes=1, min=lo, max=hi, sort=sort and sort.value, top=top,
+            jobs=_jobs(jobs),
+        )  # fmt: skip
 
 
 @app.command(
@@ -723,7 +704,6 @@ def clip_value(
     ),
 )
 def clip_norm(
-    ctx: typer.Context,
     checkpoint: OneCheckpoint,
     clip_norm: Annotated[
         str,
@@ -764,10 +744,14 @@ def clip_norm(
     c = _parse_float(clip_norm, "--clip-norm")
     _positive_finite(c, clip_norm, "--clip-norm")
     ax = _parse_axes(axes)
-    with _errors(debug):
-        from clipcli import commands
+    with _errors(debug, "clip"):
+        from clipcli.commands import clip
 
-        _clip(ctx, lambda *a, **k: commands.clip_norm(*a, c, ax, **k))
+        _clip(
+            clip.clip_norm, clip.ClipNormOptions, checkpoint, output, in_place, dry_run, drop_metadata, report_file,
+            quiet, fmt, include, exclude, clip_norm=c, axes=ax, allow_nonfinite=allow_nonfinite,
+            sort=sort and sort.value, top=top, jobs=_jobs(jobs),
+        )  # fmt: skip
 
 
 @app.command(
@@ -780,7 +764,6 @@ def clip_norm(
     ),
 )
 def clip_global_norm(
-    ctx: typer.Context,
     checkpoint: OneCheckpoint,
     clip_norm: Annotated[
         str,
@@ -818,10 +801,14 @@ def clip_global_norm(
     g = None if use_norm is None else _parse_float(use_norm, "--use-norm")
     if g is not None and not (math.isfinite(g) and g >= 0):
         _usage(f"must be a finite number >= 0, got {use_norm}", "--use-norm")
-    with _errors(debug):
-        from clipcli import commands
+    with _errors(debug, "clip"):
+        from clipcli.commands import clip
 
-        _clip(ctx, lambda *a, **k: commands.clip_global_norm(*a, c, g, **k))
+        _clip(
+            clip.clip_global_norm, clip.ClipGlobalNormOptions, checkpoint, output, in_place, dry_run, drop_metadata,
+            report_file, quiet, fmt, include, exclude, clip_norm=c, use_norm=g, allow_nonfinite=allow_nonfinite,
+            sort=sort and sort.value, top=top, jobs=_jobs(jobs),
+        )  # fmt: skip
 
 
 @app.command(
@@ -877,41 +864,23 @@ def diff(
     in one checkpoint only, and shape mismatches, are listed. Without a gate the exit status is 0 whatever
     differs, as with `git diff`.
     """
-    with _errors(debug):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
+    with _errors(debug, "diff"):  # --ord's limit comes from the core, which imports NumPy: under `_errors`
         p = _parse_ord(ord)
         limit = None if fail_above is None else _parse_limit(fail_above, "--fail-above")
         rel_limit = None if fail_rel_above is None else _parse_limit(fail_rel_above, "--fail-rel-above")
-        from clipcli import commands
         from clipcli.checkpoint import open_checkpoint
-        from clipcli.errors import CheckFailedError, UsageError
+        from clipcli.commands import diff as command
 
+        limits = command.DiffLimits(limit, rel_limit, fail_different, fail_above, fail_rel_above)
         with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
+            selection = _selection(include, exclude, ca, cb)
+            options = command.DiffOptions(selection, p, depth, sort and sort.value, top, _jobs(jobs))
             total = sum(t.nbytes for t in ca.tensors) + sum(t.nbytes for t in cb.tensors)
             with _progress(total, quiet) as progress:
-                result = commands.diff(
-                    ca,
-                    cb,
-                    _selection(include, exclude, ca, cb),
-                    p,
-                    depth,
-                    sort and sort.value,
-                    top,
-                    progress,
-                    _jobs(jobs),
-                )
-        if (limit is not None or rel_limit is not None) and not result.tensors:
-            gate = "--fail-above" if limit is not None else "--fail-rel-above"
-            raise UsageError("no floating tensor is in both checkpoints, so the gate has nothing to check", a, gate)
-        _emit("diff", p, [], fmt, quiet, diff=result)
-        s = result.stats
-        if fail_different and result.different:
-            raise CheckFailedError(f"{'; '.join(result.different)} (--fail-different)", f"{a} vs {b}")
-        if limit is not None and _over(s.diff_norm, limit):
-            raise CheckFailedError(_exceeds("‖A−B‖", s.diff_norm, "--fail-above", fail_above), f"{a} vs {b}")
-        if rel_limit is not None:
-            rel = s.rel if s.rel is not None else (0.0 if s.diff_norm == 0 else math.inf)
-            if _over(rel, rel_limit):
-                raise CheckFailedError(_exceeds("‖A−B‖/‖A‖", rel, "--fail-rel-above", fail_rel_above), f"{a} vs {b}")
+                report = command.diff(ca, cb, options, progress)
+        command.check_measured(report, limits)
+        _emit(report, fmt, quiet)
+        _gates(next(iter(command.failures(report, limits)), None))
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -942,7 +911,6 @@ def _parse_size(text: str, param: str) -> int:
     ),
 )
 def convert(
-    ctx: typer.Context,
     checkpoint: Annotated[
         Path,
         typer.Argument(
@@ -988,9 +956,9 @@ def convert(
     --include/--exclude are not written.
     """
     max_shard = None if max_shard_size is None else _parse_size(max_shard_size, "--max-shard-size")
-    with _errors(debug):
-        from clipcli import commands
+    with _errors(debug, "convert"):
         from clipcli.checkpoint import check_output, check_report, open_checkpoint
+        from clipcli.commands import convert as command
 
         with open_checkpoint(checkpoint) as ckpt:
             if drop_metadata:
@@ -998,11 +966,14 @@ def convert(
             target = check_output(output, ckpt, resharding=max_shard is not None, command="convert")
             if report_file is not None:
                 check_report(report_file, ckpt, None if dry_run else target)
-            job = commands.ClipJob(None if dry_run else target, False, False, _jobs(jobs), sort and sort.value, top)
+            selection = _selection(include, exclude, ckpt)
+            options = command.ConvertOptions(
+                target=target, dry_run=dry_run, max_shard=max_shard, selection=selection, sort=sort and sort.value,
+                top=top, jobs=_jobs(jobs),
+            )  # fmt: skip
             with _progress(sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
-                selection = _selection(include, exclude, ckpt)
-                result = commands.convert(ckpt, selection, target, job, max_shard, progress)
-        _emit("convert", 2.0, [result], fmt, quiet, report_file)
+                report = command.convert(ckpt, options, progress)
+        _emit(report, fmt, quiet, report_file)
 
 
 def main(argv: list[str] | None = None) -> None:

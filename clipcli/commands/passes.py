@@ -1,0 +1,67 @@
+"""One way to run a pass over checkpoints' chunks: the kernel, the workers, the progress, the results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from clipcli import core
+from clipcli.checkpoint import Checkpoint
+from clipcli.checkpoint._engine import run, run_pairs
+
+
+class Progress:
+    """Where a command says how far it is: a named pass over so many bytes, then bytes done. Does nothing."""
+
+    def phase(self, label: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+NO_PROGRESS = Progress()
+
+
+def run_pass(
+    source: Checkpoint | tuple[Checkpoint, Checkpoint],
+    items: Sequence[Any],
+    make_kernel: Callable[[], Any],
+    jobs: int = 1,
+    align: dict[str, int] | None = None,
+    progress: Progress = NO_PROGRESS,
+) -> Any:
+    """Runs a kernel over every chunk of `items` (tensors of one checkpoint, or pairs of two read in lockstep).
+
+    Workers (processes, or threads) each make a kernel and feed it chunks in any order; the result is each
+    worker's `result()`. A kernel that needs the chunks in order says so (`ordered = True`): one kernel's
+    `chunk(t, offset, values)` is then called by `jobs` threads and the result is an iterator of
+    `(tensor, what chunk returned)` in storage order, which the caller consumes and closes. Pairs are read in
+    blocks of `core.BLOCK` values, so that a pair's blocks are summed as the array's are.
+    """
+    if isinstance(source, tuple):
+        return run_pairs(source, items, make_kernel, jobs, core.BLOCK, progress.advance)
+    kernel = make_kernel()  # (cheap: a kernel holds only what its chunks add up)
+    if getattr(kernel, "ordered", False):
+        return source.map_chunks(list(items), kernel.chunk, jobs, align=align)
+    return run(source, items, make_kernel, jobs, align, progress.advance)
+
+
+class PerTensor(dict):
+    """Each tensor's accumulator by name (or each pair's by number, for diff); those of small tensors measured
+    together (`batches`) are made from their `core.SmallNorms` (`core.SmallDiffs`) when first asked for (by
+    --depth, or a clip)."""
+
+    def __init__(self, batches: Sequence[tuple[list[Any], Any]] = ()):
+        super().__init__()
+        self.batches = batches
+        self._where = {key: (s, i) for keys, s in batches for i, key in enumerate(keys)}
+
+    def __missing__(self, key: Any) -> Any:
+        s, i = self._where[key]
+        acc = self[key] = s.accumulator(i)
+        return acc
+
+    def batched(self, key: Any) -> bool:
+        """Whether `key` was measured among small tensors (its accumulator made when asked for)."""
+        return key in self._where

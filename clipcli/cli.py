@@ -226,6 +226,12 @@ def _gates(failure: str | None) -> None:
         raise CheckFailedError(failure)
 
 
+def _jobs(jobs: int | None) -> int:
+    from clipcli.commands.passes import workers
+
+    return workers(jobs)
+
+
 def _selection(include: list[str] | None, exclude: list[str] | None, *ckpts: Any) -> Any:
     """The --include/--exclude selection; warns on stderr of a pattern that matches no tensor of `ckpts`.
 
@@ -316,7 +322,7 @@ def global_norm(
         limits = command.NormLimits(limit, fail_nonfinite, fail_above)
         opened = [open_checkpoint(path) for path in checkpoints]
         selection = _selection(include, exclude, *opened)
-        options = command.NormOptions(selection, p, depth, sort and sort.value, top, opts.workers(jobs))
+        options = command.NormOptions(selection, p, depth, sort and sort.value, top, _jobs(jobs))
         total = sum(t.nbytes for c in opened for t in c.tensors)
         measured = []
         with _progress(total, quiet) as progress:
@@ -413,7 +419,7 @@ def clip_value(
         _clip(
             clip.clip_value, clip.ClipValueOptions, checkpoint, output, in_place, dry_run, drop_metadata, report_file,
             quiet, fmt, include, exclude, passes=1, min=lo, max=hi, sort=sort and sort.value, top=top,
-            jobs=opts.workers(jobs),
+            jobs=_jobs(jobs),
         )  # fmt: skip
 
 
@@ -458,7 +464,7 @@ def clip_norm(
         _clip(
             clip.clip_norm, clip.ClipNormOptions, checkpoint, output, in_place, dry_run, drop_metadata, report_file,
             quiet, fmt, include, exclude, clip_norm=c, axes=ax, allow_nonfinite=allow_nonfinite,
-            sort=sort and sort.value, top=top, jobs=opts.workers(jobs),
+            sort=sort and sort.value, top=top, jobs=_jobs(jobs),
         )  # fmt: skip
 
 
@@ -505,7 +511,7 @@ def clip_global_norm(
         _clip(
             clip.clip_global_norm, clip.ClipGlobalNormOptions, checkpoint, output, in_place, dry_run, drop_metadata,
             report_file, quiet, fmt, include, exclude, clip_norm=c, use_norm=g, allow_nonfinite=allow_nonfinite,
-            sort=sort and sort.value, top=top, jobs=opts.workers(jobs),
+            sort=sort and sort.value, top=top, jobs=_jobs(jobs),
         )  # fmt: skip
 
 
@@ -551,7 +557,7 @@ def diff(
         limits = command.DiffLimits(limit, rel_limit, fail_different, fail_above, fail_rel_above)
         with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
             selection = _selection(include, exclude, ca, cb)
-            options = command.DiffOptions(selection, p, depth, sort and sort.value, top, opts.workers(jobs))
+            options = command.DiffOptions(selection, p, depth, sort and sort.value, top, _jobs(jobs))
             total = sum(t.nbytes for t in ca.tensors) + sum(t.nbytes for t in cb.tensors)
             with _progress(total, quiet) as progress:
                 report = command.diff(ca, cb, options, progress)
@@ -606,7 +612,7 @@ def convert(
             selection = _selection(include, exclude, ckpt)
             options = command.ConvertOptions(
                 target=target, dry_run=dry_run, max_shard=max_shard, selection=selection, sort=sort and sort.value,
-                top=top, jobs=opts.workers(jobs),
+                top=top, jobs=_jobs(jobs),
             )  # fmt: skip
             with _progress(sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
                 report = command.convert(ckpt, options, progress)

@@ -4,7 +4,6 @@
 
 import importlib.util
 import math
-import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -226,13 +225,6 @@ def parse_size(text: str, param: str) -> int:
     if value < 1:
         usage(f"must be at least 1 byte, got {text}", param)
     return int(value)
-
-
-def workers(jobs: int | None) -> int:
-    """--jobs, or the cores this process may run on: never more workers than cores (more would only
-    contend for them, and each takes memory)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(jobs, cores) if jobs else cores
 
 
 def show_version(value: bool) -> None:

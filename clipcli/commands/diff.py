@@ -14,7 +14,7 @@ from clipcli import core
 from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout
 from clipcli.checkpoint._engine import pair_values
 from clipcli.commands import passes
-from clipcli.commands.gates import exceeds
+from clipcli.commands.gates import exceeds, limit_text
 from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress
 from clipcli.commands.select import EVERY, Selection, floating, order
 from clipcli.errors import CheckFailedError, UsageError
@@ -70,10 +70,10 @@ def failures(report: DiffReport, limits: DiffLimits) -> list[str]:
     if limits.fail_different and report.different:
         out.append(CheckFailedError(f"{'; '.join(report.different)} (--fail-different)", where))
     if limits.fail_above is not None and report.exceeds(limits.fail_above):
-        text = limits.fail_above_text or f"{limits.fail_above:g}"
+        text = limits.fail_above_text or limit_text(limits.fail_above)
         out.append(CheckFailedError(exceeds("‖A−B‖", report.stats.diff_norm, "--fail-above", text), where))
     if limits.fail_rel_above is not None and report.rel_exceeds(limits.fail_rel_above):
-        text = limits.fail_rel_above_text or f"{limits.fail_rel_above:g}"
+        text = limits.fail_rel_above_text or limit_text(limits.fail_rel_above)
         out.append(CheckFailedError(exceeds("‖A−B‖/‖A‖", report.checked_rel, "--fail-rel-above", text), where))
     return [str(e) for e in out]
 

@@ -18,3 +18,9 @@ def failure(reasons: list[str], count: int) -> str | None:
     if len(reasons) <= 1:
         return reasons[0] if reasons else None
     return f"{len(reasons)} of {count} checkpoints fail their gates: {'; '.join(reasons)}"
+
+
+def limit_text(limit: float) -> str:
+    """A limit as a person would type it: 1 rather than 1.0, every digit kept."""
+    short = f"{limit:g}"
+    return short if float(short) == limit else repr(limit)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from clipcli.checkpoint import Checkpoint
-from clipcli.commands.gates import exceeds
+from clipcli.commands.gates import exceeds, limit_text
 from clipcli.commands.measure import groups, measure, nonfinite
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, order, select, shared_storages
@@ -87,7 +87,7 @@ def failures(report: NormReport, limits: NormLimits) -> list[str]:
     for c in report.checkpoints:
         error = nonfinite(c.path, c.summary.nonfinite) if limits.fail_nonfinite else None
         if error is None and limits.fail_above is not None and c.exceeds(limits.fail_above):
-            text = limits.fail_above_text or f"{limits.fail_above:g}"
+            text = limits.fail_above_text or limit_text(limits.fail_above)
             error = CheckFailedError(exceeds("global norm", c.global_norm, "--fail-above", text), c.path)
         if error is not None:
             out.append(str(error))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,13 @@ class Progress:
 
 
 NO_PROGRESS = Progress()
+
+
+def workers(jobs: int | None = None) -> int:
+    """`jobs`, or the cores this process may run on: never more workers than cores (more would only
+    contend for them, and each takes memory)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(jobs, cores) if jobs else cores
 
 
 def run_pass(

@@ -29,31 +29,12 @@ from clipcli.errors import (
     stop_status,
 )
 
-
-class _Command(typer.core.TyperCommand):
-    """Usage lines name arguments as words (`CKPT...`), without Typer's braces around required ones."""
-
-    def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        pieces = super().collect_usage_pieces(ctx)
-        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
-
-
-class _Group(typer.core.TyperGroup):
-    """`--show-completion [SHELL]` and `--install-completion [SHELL]`: an option's value that may be left out,
-    which Typer's parser cannot say (Typer's own options are flags that ignore a shell named after them)."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        if args[:1] in (["--show-completion"], ["--install-completion"]) and args[1:2] in ([], ["-h"], ["--help"]):
-            args = [args[0], "", *args[1:]]  # no SHELL: the current shell
-        return super().parse_args(ctx, args)
-
-
 app = typer.Typer(
     name="clipcli",
-    cls=_Group,
+    cls=opts.Group,
     help="Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.",
     no_args_is_help=True,
-    add_completion=False,  # ours take a SHELL (`_completion`): Typer's gave bash's script for `--show-completion zsh`
+    add_completion=False,  # ours take a SHELL (`opts.completion_option`): Typer's gave bash's script for zsh
     pretty_exceptions_show_locals=False,  # a crash must never dump tensors
     rich_markup_mode=None,  # plain help and usage errors: rich is imported only to draw a report
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -250,7 +231,7 @@ def _selection(include: list[str] | None, exclude: list[str] | None, *ckpts: Any
 
 
 @app.command(
-    cls=_Command,
+    cls=opts.Command,
     epilog=opts.examples(
         "clipcli inspect model.safetensors",
         "clipcli inspect shards/ --sort size --top 10",
@@ -284,7 +265,7 @@ def inspect(
 
 @app.command(
     "global-norm",
-    cls=_Command,
+    cls=opts.Command,
     epilog=opts.examples(
         "clipcli global-norm grads.safetensors --sort norm --top 10",
         "clipcli global-norm grads.safetensors --depth 3 --format csv > layers.csv",
@@ -380,7 +361,7 @@ def _clip(
 
 @app.command(
     "clip-value",
-    cls=_Command,
+    cls=opts.Command,
     epilog=opts.examples(
         "clipcli clip-value grads.safetensors -o clipped.safetensors --min -1 --max 1",
         "clipcli clip-value grads.npz -o clipped.npz --min -0.01 --max 0.01 --include 'model.norm.*'",
@@ -425,7 +406,7 @@ def clip_value(
 
 @app.command(
     "clip-norm",
-    cls=_Command,
+    cls=opts.Command,
     epilog=opts.examples(
         "clipcli clip-norm grads.safetensors -o clipped.safetensors --clip-norm 1",
         "clipcli clip-norm grads.safetensors -o rows.safetensors --clip-norm 1 --axes -1",
@@ -470,7 +451,7 @@ def clip_norm(
 
 @app.command(
     "clip-global-norm",
-    cls=_Command,
+    cls=opts.Command,
     epilog=opts.examples(
         "clipcli clip-global-norm grads.safetensors -o clipped.safetensors --clip-norm 5",
         "clipcli clip-global-norm shards/ -o clipped/ --clip-norm 5 --report report.json",
@@ -516,7 +497,7 @@ def clip_global_norm(
 
 
 @app.command(
-    cls=_Command,
+    cls=opts.Command,
     epilog=opts.examples(
         "clipcli diff step-1000.safetensors step-2000.safetensors --sort diff --top 10",
         "clipcli diff pytorch_model.bin model.safetensors --fail-different",
@@ -567,7 +548,7 @@ def diff(
 
 
 @app.command(
-    cls=_Command,
+    cls=opts.Command,
     epilog=opts.examples(
         "clipcli convert pytorch_model.bin -o model.safetensors",
         "clipcli convert model.safetensors -o shards/ --max-shard-size 5GB",

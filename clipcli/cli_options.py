@@ -13,6 +13,24 @@ import typer  # noqa: TID251 (the command line's own module, beside cli.py)
 from clipcli import __version__
 
 
+class Command(typer.core.TyperCommand):
+    """Usage lines name arguments as words (`CKPT...`), without Typer's braces around required ones."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+class Group(typer.core.TyperGroup):
+    """`--show-completion [SHELL]` and `--install-completion [SHELL]`: an option's value that may be left out,
+    which Typer's parser cannot say (Typer's own options are flags that ignore a shell named after them)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args[:1] in (["--show-completion"], ["--install-completion"]) and args[1:2] in ([], ["-h"], ["--help"]):
+            args = [args[0], "", *args[1:]]  # no SHELL: the current shell
+        return super().parse_args(ctx, args)
+
+
 class Format(str, Enum):
     table = "table"
     json = "json"

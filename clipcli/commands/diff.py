@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,12 +14,10 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout
 from clipcli.checkpoint._engine import pair_values
 from clipcli.commands import passes
 from clipcli.commands.gates import exceeds, limit_text
-from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress
+from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress, gathered
 from clipcli.commands.select import EVERY, Selection, floating, order
 from clipcli.errors import CheckFailedError, UsageError
 from clipcli.report.diff import DiffGroup, DiffReport, DiffRow, Mismatch
-
-_NBYTES = operator.attrgetter("nbytes")
 
 
 @dataclass(frozen=True)
@@ -119,8 +116,8 @@ class DiffKernel:
     ) -> None:
         ta, tb = self.pairs[ids[0]]
         run = [self.pairs[i] for i in ids]
-        va = _gathered(raw_a, starts_a, [a for a, _ in run], ta.array_dtype)
-        vb = _gathered(raw_b, starts_b, [b for _, b in run], tb.array_dtype)
+        va = gathered(raw_a, starts_a, [a for a, _ in run], ta.array_dtype)
+        vb = gathered(raw_b, starts_b, [b for _, b in run], tb.array_dtype)
         sizes = [a.nbytes // ta.array_dtype.itemsize for a, _ in run]
         self.small.append((list(ids), core.small_diffs(va, vb, sizes, self.p)))
         if ta.array_dtype != tb.array_dtype:
@@ -150,14 +147,6 @@ class DiffKernel:
         self,
     ) -> tuple[dict[int, core.DiffAccumulator], list[tuple[list[int], core.SmallDiffs]], set[int], set[int]]:
         return self.accs, self.small, self.differs, self.values_differ
-
-
-def _gathered(raw: np.ndarray, starts: list[int], tensors: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
-    """The values of tensors read together, one after another: a view where they lie without gaps."""
-    end = starts[-1] + tensors[-1].nbytes
-    if end - starts[0] == sum(map(_NBYTES, tensors)):
-        return raw[starts[0] : end].view(dtype)
-    return np.concatenate([raw[s : s + t.nbytes] for s, t in zip(starts, tensors, strict=True)]).view(dtype)
 
 
 def _same_numbers(a: np.ndarray, b: np.ndarray) -> bool:

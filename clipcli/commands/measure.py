@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -12,7 +11,7 @@ import numpy as np
 from clipcli import core
 from clipcli.checkpoint import Checkpoint, TensorInfo
 from clipcli.commands import passes
-from clipcli.commands.passes import PerTensor, Progress
+from clipcli.commands.passes import PerTensor, Progress, gathered
 from clipcli.errors import CheckFailedError, printable
 from clipcli.report.render import plural
 from clipcli.report.rows import Group, Skipped, TensorRow
@@ -50,12 +49,7 @@ class NormKernel:
             while j < len(ts) and _joins(ts[j], dtype, small):
                 j += 1
             run = ts[i:j]
-            end = starts[j - 1] + ts[j - 1].nbytes
-            if end - starts[i] == sum(map(_NBYTES, run)):
-                values = raw[starts[i] : end].view(dtype)
-            else:  # with gaps between them (an .npz's member headers)
-                values = np.concatenate([raw[starts[k] : starts[k] + ts[k].nbytes] for k in range(i, j)])
-                values = values.view(dtype)
+            values = gathered(raw, starts[i:j], run, dtype)
             sizes = [u.nbytes // dtype.itemsize for u in run]
             self.small.append(([u.name for u in run], core.small_norms(values, sizes, self.p)))
             i = j
@@ -67,9 +61,6 @@ class NormKernel:
 def _joins(u: TensorInfo, dtype: np.dtype, small: int) -> bool:
     """Whether u joins a run of small tensors of `dtype` (each of fewer than `small` bytes) for `small_norms`."""
     return (u.array_dtype is dtype or u.array_dtype == dtype) and u.stored_dtype is None and u.nbytes < small
-
-
-_NBYTES = operator.attrgetter("nbytes")
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:

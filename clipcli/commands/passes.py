@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from clipcli import core
-from clipcli.checkpoint import Checkpoint
+from clipcli.checkpoint import Checkpoint, TensorInfo
 from clipcli.checkpoint._engine import run, run_pairs
 
 
@@ -73,3 +76,15 @@ class PerTensor(dict):
     def batched(self, key: Any) -> bool:
         """Whether `key` was measured among small tensors (its accumulator made when asked for)."""
         return key in self._where
+
+
+def gathered(raw: np.ndarray, starts: list[int], tensors: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
+    """The values of tensors read together, one after another: a view where they lie without gaps, else a copy
+    (gaps between them: an .npz's member headers)."""
+    end = starts[-1] + tensors[-1].nbytes
+    if end - starts[0] == sum(map(_NBYTES, tensors)):
+        return raw[starts[0] : end].view(dtype)
+    return np.concatenate([raw[s : s + t.nbytes] for s, t in zip(starts, tensors, strict=True)]).view(dtype)
+
+
+_NBYTES = operator.attrgetter("nbytes")

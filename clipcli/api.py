@@ -194,10 +194,10 @@ def diff_of(
         return diff(ca, cb, options)
 
 
-def _clip(path: PathLike, run: str, kind: str, output: PathLike | None, in_place: bool, **options: Any) -> Any:
-    """Opens the checkpoint, checks where it goes (None and not `in_place`: a dry run), and clips it."""
+def _clip(path: PathLike, run: Any, kind: Any, output: PathLike | None, in_place: bool, **options: Any) -> Any:
+    """Opens the checkpoint, checks where it goes (None and not `in_place`: a dry run), and clips it with `run`,
+    given its options (of type `kind`)."""
     from clipcli.checkpoint import open_checkpoint
-    from clipcli.commands import clip
     from clipcli.commands.passes import workers
     from clipcli.commands.write import output_target
 
@@ -208,7 +208,7 @@ def _clip(path: PathLike, run: str, kind: str, output: PathLike | None, in_place
     with open_checkpoint(path) as ckpt:
         out = None if output is None else os.fspath(output)
         target = output_target(ckpt, out, in_place, dry_run=output is None and not in_place)
-        return getattr(clip, run)(ckpt, getattr(clip, kind)(output=target, in_place=in_place, **options))
+        return run(ckpt, kind(output=target, in_place=in_place, **options))
 
 
 def clip_value_of(
@@ -227,8 +227,10 @@ def clip_value_of(
     """`clipcli clip-value PATH -o OUTPUT --min A --max B` (no output and not `in_place`: a dry run)."""
     if not min <= max:
         raise UsageError(f"min {min} exceeds max {max}", None, "--min")
+    from clipcli.commands import clip
+
     return _clip(
-        path, "clip_value", "ClipValueOptions", output, in_place, min=float(min), max=float(max),
+        path, clip.clip_value, clip.ClipValueOptions, output, in_place, min=float(min), max=float(max),
         include=include, exclude=exclude, sort=sort, top=top, jobs=jobs,
     )  # fmt: skip
 
@@ -249,8 +251,10 @@ def clip_norm_of(
 ) -> ClipNormReport:
     """`clipcli clip-norm PATH -o OUTPUT --clip-norm N [--axes ...]` (no output and not `in_place`: a dry run)."""
     _positive_finite(clip_norm, "--clip-norm")
+    from clipcli.commands import clip
+
     return _clip(
-        path, "clip_norm", "ClipNormOptions", output, in_place, clip_norm=float(clip_norm),
+        path, clip.clip_norm, clip.ClipNormOptions, output, in_place, clip_norm=float(clip_norm),
         axes=None if axes is None else tuple(axes), allow_nonfinite=allow_nonfinite, include=include,
         exclude=exclude, sort=sort, top=top, jobs=jobs,
     )  # fmt: skip
@@ -275,8 +279,10 @@ def clip_global_norm_of(
     _positive_finite(clip_norm, "--clip-norm")
     if use_norm is not None and not (math.isfinite(use_norm) and use_norm >= 0):
         raise UsageError(f"use_norm must be a finite number >= 0, got {use_norm}", None, "--use-norm")
+    from clipcli.commands import clip
+
     return _clip(
-        path, "clip_global_norm", "ClipGlobalNormOptions", output, in_place, clip_norm=float(clip_norm),
+        path, clip.clip_global_norm, clip.ClipGlobalNormOptions, output, in_place, clip_norm=float(clip_norm),
         use_norm=None if use_norm is None else float(use_norm), allow_nonfinite=allow_nonfinite, include=include,
         exclude=exclude, sort=sort, top=top, jobs=jobs,
     )  # fmt: skip

@@ -353,17 +353,3 @@ def failures(
 
         return diff.failures(report, diff.DiffLimits(fail_above, fail_rel_above, fail_different))
     raise TypeError(f"no gates for {type(report).__name__}")
-
-
-__all__ = [
-    "CheckpointFile",
-    "clip_global_norm_of",
-    "clip_norm_of",
-    "clip_value_of",
-    "convert_of",
-    "diff_of",
-    "failures",
-    "global_norm_of",
-    "inspect_of",
-    "open",
-]

@@ -282,6 +282,12 @@ FailAbove = Annotated[
     typer.Option("--fail-above", metavar="X", help="Exit 1 if a global norm exceeds X or is not finite."),
 ]
 FailNonfinite = Annotated[bool, typer.Option("--fail-nonfinite", help="Exit 1 if a selected tensor holds NaN or Inf.")]
+
+
+def _clip_norm(what: str) -> Any:
+    return typer.Option("--clip-norm", metavar="N", show_default=False, help=what)
+
+
 Min = Annotated[
     str,
     typer.Option(
@@ -297,15 +303,7 @@ Max = Annotated[
         "--max", metavar="B", show_default=False, help="Upper bound, rounded to each tensor's dtype likewise."
     ),
 ]
-ClipNorm = Annotated[
-    str,
-    typer.Option(
-        "--clip-norm",
-        metavar="N",
-        show_default=False,
-        help="The largest L2 norm a tensor (or slice) may keep; > 0.",
-    ),
-]
+ClipNorm = Annotated[str, _clip_norm("The largest L2 norm a tensor (or slice) may keep; > 0.")]
 Axes = Annotated[
     str | None,
     typer.Option(
@@ -314,12 +312,7 @@ Axes = Annotated[
         help="Norm over these axes only, e.g. 0,1 or -1 for per-row norms (default: the whole tensor).",
     ),
 ]
-GlobalClipNorm = Annotated[
-    str,
-    typer.Option(
-        "--clip-norm", metavar="N", show_default=False, help="The largest global L2 norm the tensors may keep; > 0."
-    ),
-]
+GlobalClipNorm = Annotated[str, _clip_norm("The largest global L2 norm the tensors may keep; > 0.")]
 UseNorm = Annotated[
     str | None,
     typer.Option("--use-norm", metavar="G", help="Use G (finite, >= 0) as the global norm instead of computing it."),

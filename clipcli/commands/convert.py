@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clipcli.checkpoint import Checkpoint, check_plan
+from clipcli.commands.inspect import listing_fields
 from clipcli.commands.passes import NO_PROGRESS, Progress
-from clipcli.commands.select import EVERY, Selection, order, shared_storages
+from clipcli.commands.select import EVERY, Selection
 from clipcli.commands.write import write
 from clipcli.report.listing import ConvertReport
-from clipcli.report.rows import InspectRow, Skipped, listed
+from clipcli.report.rows import Skipped
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,15 +53,9 @@ def convert(ckpt: Checkpoint, options: ConvertOptions, progress: Progress = NO_P
             progress=progress, label="converting", worker_bytes=4 << 20,
         )  # fmt: skip
     where = {t.name: str(file) for file, group in layout.files for t in group}
-    rows = [InspectRow(t.name, t.dtype, t.shape, t.nbytes, where[t.name]) for t in tensors]
     files = [str(file) for file, _ in layout.files] + ([str(layout.index)] if layout.index else [])
     return ConvertReport(
-        path=str(ckpt.path),
-        format=ckpt.format,
-        metadata=ckpt.metadata,
-        summary=listed(rows),
-        tensors=order(rows, o.sort, o.top),
-        shared=shared_storages(tensors),
+        **listing_fields(ckpt, tensors, where, o.sort, o.top),
         left_out=left_out,
         output=None if o.dry_run else str(o.target),
         files=tuple(files),

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from clipcli.checkpoint import Checkpoint
+from clipcli.checkpoint import Checkpoint, TensorInfo
 from clipcli.commands.select import EVERY, Selection, order, shared_storages
 from clipcli.report.listing import Listing
 from clipcli.report.rows import InspectRow, listed
@@ -28,12 +29,19 @@ def inspect(ckpt: Checkpoint, options: InspectOptions = InspectOptions()) -> Lis
     selection = options.selection
     selection.check(ckpt)
     tensors = [t for t in ckpt.tensors if selection.listed(t)]
-    rows = [InspectRow(t.name, t.dtype, t.shape, t.nbytes, t.file) for t in tensors]
-    return Listing(
-        path=str(ckpt.path),
-        format=ckpt.format,
-        metadata=ckpt.metadata,
-        summary=listed(rows),
-        tensors=order(rows, options.sort, options.top),
-        shared=shared_storages(tensors),
-    )
+    return Listing(**listing_fields(ckpt, tensors, {}, options.sort, options.top))
+
+
+def listing_fields(
+    ckpt: Checkpoint, tensors: list[TensorInfo], files: dict[str, str], sort: str | None, top: int | None
+) -> dict[str, Any]:
+    """The fields of a `Listing` of `tensors` of `ckpt`, each in its file (`files[name]`, else its own)."""
+    rows = [InspectRow(t.name, t.dtype, t.shape, t.nbytes, files.get(t.name, t.file)) for t in tensors]
+    return {
+        "path": str(ckpt.path),
+        "format": ckpt.format,
+        "metadata": ckpt.metadata,
+        "summary": listed(rows),
+        "tensors": order(rows, sort, top),
+        "shared": shared_storages(tensors),
+    }

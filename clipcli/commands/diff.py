@@ -14,24 +14,16 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout
 from clipcli.checkpoint._engine import pair_values
 from clipcli.commands import passes
 from clipcli.commands.gates import exceeds, limit_text
+from clipcli.commands.measure import NormOptions
 from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress, gathered
-from clipcli.commands.select import EVERY, Selection, floating, order
+from clipcli.commands.select import Selection, floating, order
 from clipcli.errors import CheckFailedError, UsageError
 from clipcli.report.diff import DiffGroup, DiffReport, DiffRow, Mismatch
 
 
 @dataclass(frozen=True)
-class DiffOptions:
-    """What `diff` compares: the tensors `selection` takes, the order `ord` of ‖A−B‖ (2, 1, inf or any p > 0),
-    groups of the first `depth` name parts, rows sorted by `sort` (name, norm, size, diff, rel) and cut to
-    `top`, with `jobs` workers."""
-
-    selection: Selection = EVERY
-    ord: float = 2.0
-    depth: int | None = None
-    sort: str | None = None
-    top: int | None = None
-    jobs: int = 1
+class DiffOptions(NormOptions):
+    """What `diff` compares (`NormOptions`: the order is that of ‖A−B‖; `sort` also takes diff and rel)."""
 
 
 @dataclass(frozen=True)

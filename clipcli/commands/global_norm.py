@@ -6,26 +6,12 @@ from dataclasses import dataclass
 
 from clipcli.checkpoint import Checkpoint
 from clipcli.commands.gates import exceeds, limit_text
-from clipcli.commands.measure import groups, measure, nonfinite
+from clipcli.commands.measure import NormOptions, groups, measure, nonfinite
 from clipcli.commands.passes import NO_PROGRESS, Progress
-from clipcli.commands.select import EVERY, Selection, order, select, shared_storages
+from clipcli.commands.select import order, select, shared_storages
 from clipcli.errors import CheckFailedError, UsageError
 from clipcli.report.norms import CheckpointNorms, NormReport
 from clipcli.report.rows import summarize
-
-
-@dataclass(frozen=True)
-class NormOptions:
-    """What `global-norm` measures: the tensors `selection` takes, the norms' order `ord` (2, 1, inf or any p >
-    0), groups of the first `depth` name parts, rows sorted by `sort` (name, norm, size) and cut to `top`, with
-    `jobs` workers."""
-
-    selection: Selection = EVERY
-    ord: float = 2.0
-    depth: int | None = None
-    sort: str | None = None
-    top: int | None = None
-    jobs: int = 1
 
 
 @dataclass(frozen=True)

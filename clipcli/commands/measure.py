@@ -12,9 +12,24 @@ from clipcli import core
 from clipcli.checkpoint import Checkpoint, TensorInfo
 from clipcli.commands import passes
 from clipcli.commands.passes import PerTensor, Progress, gathered
+from clipcli.commands.select import EVERY, Selection
 from clipcli.errors import CheckFailedError, printable
 from clipcli.report.render import plural
 from clipcli.report.rows import Group, Skipped, TensorRow
+
+
+@dataclass(frozen=True)
+class NormOptions:
+    """What a command that measures norms (`global-norm`, `diff`) measures: the tensors `selection` takes, the
+    norms' order `ord` (2, 1, inf or any p > 0), groups of the first `depth` name parts, rows sorted by `sort`
+    (name, norm, size; for diff also diff, rel) and cut to `top`, with `jobs` workers."""
+
+    selection: Selection = EVERY
+    ord: float = 2.0
+    depth: int | None = None
+    sort: str | None = None
+    top: int | None = None
+    jobs: int = 1
 
 
 class NormKernel:

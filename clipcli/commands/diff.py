@@ -54,7 +54,9 @@ def check_measured(report: DiffReport, limits: DiffLimits) -> None:
 def failures(report: DiffReport, limits: DiffLimits) -> list[str]:
     """Why the report fails its gates, in the order --fail-different, --fail-above, --fail-rel-above (the
     command line exits with the first); none where it passes."""
-    where = f"{report.a} vs {report.b}"
+    # named as before the reports kept paths as typed back: `./` before A only (the pair is one "path")
+    b = report.b[2:] if report.b.startswith("./-") else report.b
+    where = f"{report.a} vs {b}"
     out = []
     if limits.fail_different and report.different:
         out.append(CheckFailedError(f"{'; '.join(report.different)} (--fail-different)", where))

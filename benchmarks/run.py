@@ -95,17 +95,17 @@ save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[2])
 SIXTEEN_WORKERS = """
 import sys
 from pathlib import Path
-from clipcli import commands
 from clipcli.checkpoint import open_checkpoint
+from clipcli.commands import clip, diff, global_norm
 command, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
 with open_checkpoint(path) as ckpt:
     if command == "global-norm":
-        commands.global_norm(ckpt, commands.Selection(), 2.0, jobs=16)
+        global_norm.global_norm(ckpt, global_norm.NormOptions(jobs=16))
     elif command == "clip-global-norm":
-        commands.clip_global_norm(ckpt, commands.Selection(), commands.ClipJob(Path(out), jobs=16), 5.0)
+        clip.clip_global_norm(ckpt, clip.ClipGlobalNormOptions(output=Path(out), clip_norm=5.0, jobs=16))
     elif command == "diff":
         with open_checkpoint(out) as other:
-            commands.diff(ckpt, other, commands.Selection(), 2.0, jobs=16)
+            diff.diff(ckpt, other, diff.DiffOptions(jobs=16))
 """
 
 NPZ_LOAD_ALL = """

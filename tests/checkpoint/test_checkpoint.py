@@ -990,9 +990,9 @@ def test_a_damaged_member_among_small_members_read_together_is_caught(tmp_path):
     path.write_bytes(bytes(raw))
     with open_checkpoint(path) as ckpt, pytest.raises(MalformedError, match=r"Bad CRC-32 for file 'm7\.npy'"):
         from clipcli.checkpoint._engine import run
-        from clipcli.commands import _Norms
+        from clipcli.commands.measure import NormKernel
 
-        run(ckpt, ckpt.tensors, lambda: _Norms(2.0), 1)
+        run(ckpt, ckpt.tensors, lambda: NormKernel(2.0), 1)
 
 
 @pytest.mark.parametrize("dtype", ["<f8", "|b1", "<U3", ">i4", "<c16", "|u1", "<f2"])

@@ -166,7 +166,7 @@ def test_exit_status_contract(files, name, args, status, line):
 
 def test_internal_error_is_70_with_one_line(files):
     code = (
-        "import sys, clipcli.commands as c\n"
+        "import sys, clipcli.commands.global_norm as c\n"
         "def boom(*a, **k): raise RuntimeError('boom')\n"
         "c.global_norm = boom\n"
         "from clipcli.cli import main\n"

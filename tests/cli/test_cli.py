@@ -20,8 +20,14 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from clipcli import commands, core, report
+from clipcli import core
 from clipcli.checkpoint import open_checkpoint
+from clipcli.commands import clip as clip_commands
+from clipcli.commands import global_norm as norm_commands
+from clipcli.commands import passes as pass_runner
+from clipcli.report import norms as norm_report
+from clipcli.report import render as report_render
+from clipcli.report import rows as report_rows
 from tests.helpers import (
     ENV,
     GOLDEN,
@@ -504,7 +510,7 @@ def test_clip_global_norm_of_finite_values_beyond_float64_scales_by_the_exact_no
 
 def test_nothing_is_ever_written_with_a_nan_scale(grads, tmp_path, monkeypatch):
     # found trying clipcli as a new user: a global norm beyond float64 gave a NaN scale, and NaNs were written
-    monkeypatch.setattr(commands, "stats_clip_scale", lambda stats, clip: math.nan)
+    monkeypatch.setattr(clip_commands, "stats_clip_scale", lambda stats, clip: math.nan)
     out = tmp_path / "o.safetensors"
     result = run("clip-global-norm", grads, "-o", out, "--clip-norm", "1")
     assert result.exit_code == 1
@@ -588,8 +594,8 @@ def test_clip_norm_across_rows_holds_no_whole_tensor(tmp_path):
     tracemalloc.start()
     try:
         with open_checkpoint(src) as ckpt:
-            job = commands.ClipJob(tmp_path / "o.safetensors", jobs=2)
-            commands.clip_norm(ckpt, commands.Selection(), job, 1.0, (0,))
+            options = clip_commands.ClipNormOptions(output=tmp_path / "o.safetensors", jobs=2, clip_norm=1.0, axes=(0,))
+            clip_commands.clip_norm(ckpt, options)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -955,7 +961,7 @@ def test_internal_errors_exit_70_with_one_line(grads, monkeypatch):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero\nsecond line")
 
-    monkeypatch.setattr(commands, "global_norm", broken)
+    monkeypatch.setattr(norm_commands, "global_norm", broken)
     result = run("global-norm", grads)
     assert result.exit_code == 70
     assert result.stderr.count("\n") == 1
@@ -969,7 +975,7 @@ def test_interrupt_exits_130(grads, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(commands, "clip_global_norm", interrupted)
+    monkeypatch.setattr(clip_commands, "clip_global_norm", interrupted)
     result = run("clip-global-norm", grads, "-o", grads.parent / "o.safetensors", "--clip-norm", "1")
     assert (result.exit_code, result.stderr) == (130, "clipcli: interrupted\n")
 
@@ -1004,14 +1010,14 @@ _FLOATS = st.one_of(st.none(), st.floats(), st.sampled_from([0.0, -0.0, 5e-324, 
 )
 def test_a_tensor_row_is_written_as_the_encoder_writes_it(name, dtype, shape, figures, counts, clip):
     norm, max_abs, share, norm_after, max_abs_after = figures
-    row = report.TensorRow(name, dtype, shape, 0, norm, max_abs, *counts, share, norm_after, max_abs_after)
-    num = report._num
+    row = report_rows.TensorRow(name, dtype, shape, 0, norm, max_abs, *counts, share, norm_after, max_abs_after)
+    num = report_render.num
     fields = {"name": name, "dtype": dtype, "shape": list(shape), "norm": num(norm), "max_abs": num(max_abs),
               "nan": counts[0], "inf": counts[1], "share": num(share)}  # fmt: skip
     if clip:
         fields |= {"norm_after": num(norm_after), "max_abs_after": num(max_abs_after)}
-    expected = report._COMPACT.encode(fields)
-    assert report._tensor_json(row, clip) == expected
+    expected = report_render.COMPACT.encode(fields)
+    assert norm_report.tensor_json(row, clip) == expected
     assert json.loads(expected)["name"] == name
 
 
@@ -1226,11 +1232,11 @@ def test_jobs_do_not_change_reports_or_outputs(tmp_path):
 
 
 def test_clip_value_reads_the_checkpoint_once(grads, tmp_path, monkeypatch):
-    passes = []
-    real = commands.run
-    monkeypatch.setattr(commands, "run", lambda *a, **k: passes.append(len(a[1])) or real(*a, **k))
+    runs = []
+    real = pass_runner.run_pass
+    monkeypatch.setattr(pass_runner, "run_pass", lambda *a, **k: runs.append(len(a[1])) or real(*a, **k))
     (c,) = js("clip-value", grads, "-o", tmp_path / "o.safetensors", "--min", "-0.01", "--max", "0.01")["checkpoints"]
-    assert passes == [17]  # one pass over every tensor: it measures, clips and writes
+    assert runs == [17]  # one pass over every tensor: it measures, clips and writes
     assert all(t["norm_after"] <= t["norm"] for t in c["tensors"])
 
 
@@ -1241,13 +1247,13 @@ def test_sort_by_norm_puts_nan_first(nonfinite):
 
 def test_jobs_option_is_honoured_up_to_the_cores(grads, monkeypatch):
     seen = []
-    real = commands.global_norm
+    real = norm_commands.global_norm
 
     def spy(*args, **kwargs):
-        seen.append(args[-1])
+        seen.append(args[1].jobs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(commands, "global_norm", spy)
+    monkeypatch.setattr(norm_commands, "global_norm", spy)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     ok("global-norm", grads, "--jobs", "3", "--quiet")
     ok("global-norm", grads, "--jobs", "5", "--quiet")  # never more workers than cores

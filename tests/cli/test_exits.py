@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from clipcli import report as render
 from clipcli.cli import app
+from clipcli.report.listing import InspectReport, Listing
+from clipcli.report.norms import CheckpointNorms, NormReport
+from clipcli.report.rows import Skipped, Summary
 from tests.helpers import ROOT, SAMPLES, ok, raw_safetensors, run, run_bounded, st_bytes, write_st
 
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "PYTHONPATH": str(ROOT)}
@@ -75,15 +77,11 @@ def test_a_skip_reason_from_a_file_reaches_no_terminal_raw(tmp_path):
 
 def test_the_text_report_escapes_every_line_not_only_names():
     # issue 22 item 10: skip reasons, metadata values and tied names went to the terminal as the file gave them
-    c = render.CheckpointReport(
-        "p",
-        render.Summary(0),
-        skipped=(render.Skipped("w", "float32", f"tensor flags {EVIL}"),),
-        metadata={"k": EVIL},
-        shared=((EVIL, "b"),),
-    )
-    for command in ("global-norm", "inspect"):
-        text = render.render_text(render.Report(command, 2.0, (c,)))
+    skipped = (Skipped("w", "float32", f"tensor flags {EVIL}"),)
+    norms = CheckpointNorms(path="p", summary=Summary(0), skipped=skipped, shared=((EVIL, "b"),))
+    listing = Listing(path="p", format=None, summary=Summary(0), metadata={"k": EVIL}, shared=((EVIL, "b"),))
+    for report in (NormReport(2.0, (norms,)), InspectReport((listing,))):
+        text = report.to_text()
         assert not any(ch in text for ch in CONTROLS) and "\\x1b]0;title\\x07" in text
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from clipcli import commands
 from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.commands.diff import DiffOptions, diff
 from clipcli.core.blocks import BLOCK
 from clipcli.core.differences import DiffAccumulator
 from tests.helpers import write_st
@@ -43,7 +43,7 @@ def test_small_pairs_read_together_report_what_pairs_read_alone_report(tmp_path,
                 monkeypatch.setattr(_engine, "SMALL_TENSOR", -1)  # every pair a task of its own
             with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
                 for ord in (2.0, 3.0):
-                    report = commands.diff(ca, cb, commands.Selection(), ord, depth=3)
+                    report = diff(ca, cb, DiffOptions(ord=ord, depth=3))
                     outs[name, together, ord] = repr((report.stats, report.tensors, report.others, report.groups))
             monkeypatch.undo()
         for ord in (2.0, 3.0):
@@ -54,7 +54,7 @@ def test_small_pairs_read_together_report_what_pairs_read_alone_report(tmp_path,
     monkeypatch.setattr(_engine, "CHUNK_BYTES", 1 << 14)  # runs of a few pairs: many tasks for the workers
     monkeypatch.setattr(_engine, "_MIN_CHUNK", 1 << 14)
     with open_checkpoint(a) as ca, open_checkpoint(tmp_path / "b.safetensors") as cb:
-        report = commands.diff(ca, cb, commands.Selection(), 2.0, depth=3, jobs=2)
+        report = diff(ca, cb, DiffOptions(depth=3, jobs=2))
     assert repr((report.stats, report.tensors, report.others, report.groups)) == outs["b", True, 2.0]
 
 
@@ -65,5 +65,5 @@ def test_many_small_pairs_make_no_accumulator_each(tmp_path, monkeypatch):
     init = DiffAccumulator.__init__
     monkeypatch.setattr(DiffAccumulator, "__init__", lambda self, *args: made.append(1) or init(self, *args))
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
-        report = commands.diff(ca, cb, commands.Selection(), 2.0)
+        report = diff(ca, cb)
     assert len(report.tensors) == 2001 and len(made) < 10

@@ -1,0 +1,355 @@
+"""The library over files: open a checkpoint, and one function per command that returns the command's report.
+
+Each function takes the command's options as keyword arguments (as the command line spells them, with
+underscores) and returns the frozen report the command renders: `report.to_dict()` is the content of
+`--format json`, `report.to_text()` the table, `report.to_csv()` the CSV. `failures(report, ...)` applies
+the command line's gates (`--fail-above`, ...) to a report, so a script decides as the command line does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from clipcli.errors import UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.checkpoint import Checkpoint, TensorInfo
+    from clipcli.report.clip import ClipGlobalNormReport, ClipNormReport, ClipValueReport
+    from clipcli.report.diff import DiffReport
+    from clipcli.report.listing import ConvertReport, InspectReport
+    from clipcli.report.norms import NormReport
+
+PathLike = str | os.PathLike[str]
+
+
+class CheckpointFile:
+    """An open checkpoint (from `open`): its tensors' names, dtypes and shapes, its metadata, and their values.
+
+    Reading it reads the headers only; `read` and `chunks` read a tensor's bytes. Use it in a `with` block, or
+    `close` it.
+    """
+
+    def __init__(self, ckpt: Checkpoint):
+        self._ckpt = ckpt
+        self._tensors = {t.name: t for t in ckpt.tensors}
+
+    @property
+    def path(self) -> str:
+        return str(self._ckpt.path)
+
+    @property
+    def format(self) -> str:
+        """The format: safetensors, sharded, npz, npy, torch, distcp, ..."""
+        return self._ckpt.format
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self._ckpt.metadata)
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors' names, in the file's order."""
+        return list(self._tensors)
+
+    @property
+    def dtypes(self) -> dict[str, str]:
+        """Each tensor's dtype, as NumPy / ml_dtypes name it (`float32`, `bfloat16`)."""
+        return {n: t.dtype for n, t in self._tensors.items()}
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: t.shape for n, t in self._tensors.items()}
+
+    def info(self, name: str) -> TensorInfo:
+        """What the headers say of one tensor (dtype, shape, size, file, location).
+
+        Raises:
+            KeyError: for a name the checkpoint does not hold.
+        """
+        return self._tensors[name]
+
+    def read(self, name: str) -> np.ndarray:
+        """The whole tensor as an array of its shape (for tensors that fit in memory)."""
+        return self._ckpt.read(self.info(name))
+
+    def chunks(self, name: str) -> Iterator[np.ndarray]:
+        """The tensor's values as flat arrays in storage order, a few MiB each. Each is a view of one reused
+        buffer, valid until the next is produced: copy what you keep."""
+        return self._ckpt.chunks(self.info(name))
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+    def __enter__(self) -> CheckpointFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<clipcli checkpoint {self.path!r}: {self.format}, {len(self._tensors):,} tensors>"
+
+
+def open(path: PathLike) -> CheckpointFile:
+    """Opens a checkpoint (a file, a sharded index or a directory), reading its headers only.
+
+    Raises:
+        clipcli.errors.InputError: for a file that cannot be read as a checkpoint (missing, malformed, ...).
+    """
+    from clipcli.checkpoint import open_checkpoint
+
+    return CheckpointFile(open_checkpoint(path))
+
+
+def _selection(include: str | Iterable[str], exclude: str | Iterable[str]) -> Any:
+    from clipcli.commands.select import Selection
+
+    def patterns(p: str | Iterable[str]) -> tuple[str, ...]:
+        return (p,) if isinstance(p, str) else tuple(p)
+
+    return Selection(patterns(include), patterns(exclude))
+
+
+def _order(ord: float | str) -> float:
+    """An order as `--ord` takes it: 2, 1, inf (or 'inf') or any p in (0, 1e15]."""
+    from clipcli.core.norms import MAX_ORDER
+
+    p = float(ord)
+    if not (0 < p <= MAX_ORDER or p == math.inf):
+        raise UsageError(f"ord must be 1, 2, inf or any p in (0, {MAX_ORDER:g}], got {ord}", None, "--ord")
+    return p
+
+
+def inspect_of(
+    *paths: PathLike,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+) -> InspectReport:
+    """`clipcli inspect PATHS...`: names, dtypes, shapes, sizes and metadata, from the headers alone."""
+    from clipcli.checkpoint import open_checkpoint
+    from clipcli.commands.inspect import InspectOptions, inspect
+    from clipcli.report.listing import InspectReport
+
+    options = InspectOptions(_selection(include, exclude), sort, top)
+    listings = []
+    for path in paths:
+        with open_checkpoint(path) as ckpt:
+            listings.append(inspect(ckpt, options))
+    return InspectReport(tuple(listings))
+
+
+def global_norm_of(
+    *paths: PathLike,
+    ord: float | str = 2,
+    depth: int | None = None,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> NormReport:
+    """`clipcli global-norm PATHS...`: per-tensor norms and each checkpoint's global norm (`report.exceeds(x)`:
+    what `--fail-above x` checks)."""
+    from clipcli.checkpoint import open_checkpoint
+    from clipcli.commands.global_norm import NormOptions, global_norm
+    from clipcli.commands.passes import workers
+    from clipcli.report.norms import NormReport
+
+    p = _order(ord)
+    options = NormOptions(_selection(include, exclude), p, depth, sort, top, workers(jobs))
+    measured = []
+    for path in paths:
+        with open_checkpoint(path) as ckpt:
+            measured.append(global_norm(ckpt, options))
+    return NormReport(p, tuple(measured))
+
+
+def diff_of(
+    a: PathLike,
+    b: PathLike,
+    *,
+    ord: float | str = 2,
+    depth: int | None = None,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> DiffReport:
+    """`clipcli diff A B`: how far B is from A, tensor by tensor and over all (`report.different`: what differs,
+    in words; `report.exceeds(x)`, `report.rel_exceeds(r)`: what `--fail-above`, `--fail-rel-above` check)."""
+    from clipcli.checkpoint import open_checkpoint
+    from clipcli.commands.diff import DiffOptions, diff
+    from clipcli.commands.passes import workers
+
+    options = DiffOptions(_selection(include, exclude), _order(ord), depth, sort, top, workers(jobs))
+    with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
+        return diff(ca, cb, options)
+
+
+def _clip(path: PathLike, run: Any, kind: Any, output: PathLike | None, in_place: bool, **options: Any) -> Any:
+    """Opens the checkpoint, checks where it goes (None and not `in_place`: a dry run), and clips it with `run`,
+    given its options (of type `kind`)."""
+    from clipcli.checkpoint import open_checkpoint
+    from clipcli.commands.passes import workers
+    from clipcli.commands.write import output_target
+
+    if in_place and output is not None:
+        raise UsageError("give either output or in_place, not both", None, "--in-place")
+    options["selection"] = _selection(options.pop("include"), options.pop("exclude"))
+    options["jobs"] = workers(options["jobs"])
+    with open_checkpoint(path) as ckpt:
+        out = None if output is None else os.fspath(output)
+        target = output_target(ckpt, out, in_place, dry_run=output is None and not in_place)
+        return run(ckpt, kind(output=target, in_place=in_place, **options))
+
+
+def clip_value_of(
+    path: PathLike,
+    *,
+    min: float,
+    max: float,
+    output: PathLike | None = None,
+    in_place: bool = False,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> ClipValueReport:
+    """`clipcli clip-value PATH -o OUTPUT --min A --max B` (no output and not `in_place`: a dry run)."""
+    if not min <= max:
+        raise UsageError(f"min {min} exceeds max {max}", None, "--min")
+    from clipcli.commands import clip
+
+    return _clip(
+        path, clip.clip_value, clip.ClipValueOptions, output, in_place, min=float(min), max=float(max),
+        include=include, exclude=exclude, sort=sort, top=top, jobs=jobs,
+    )  # fmt: skip
+
+
+def clip_norm_of(
+    path: PathLike,
+    *,
+    clip_norm: float,
+    axes: Sequence[int] | None = None,
+    output: PathLike | None = None,
+    in_place: bool = False,
+    allow_nonfinite: bool = False,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> ClipNormReport:
+    """`clipcli clip-norm PATH -o OUTPUT --clip-norm N [--axes ...]` (no output and not `in_place`: a dry run)."""
+    _positive_finite(clip_norm, "--clip-norm")
+    from clipcli.commands import clip
+
+    return _clip(
+        path, clip.clip_norm, clip.ClipNormOptions, output, in_place, clip_norm=float(clip_norm),
+        axes=None if axes is None else tuple(axes), allow_nonfinite=allow_nonfinite, include=include,
+        exclude=exclude, sort=sort, top=top, jobs=jobs,
+    )  # fmt: skip
+
+
+def clip_global_norm_of(
+    path: PathLike,
+    *,
+    clip_norm: float,
+    use_norm: float | None = None,
+    output: PathLike | None = None,
+    in_place: bool = False,
+    allow_nonfinite: bool = False,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> ClipGlobalNormReport:
+    """`clipcli clip-global-norm PATH -o OUTPUT --clip-norm N [--use-norm G]` (no output and not `in_place`:
+    a dry run)."""
+    _positive_finite(clip_norm, "--clip-norm")
+    if use_norm is not None and not (math.isfinite(use_norm) and use_norm >= 0):
+        raise UsageError(f"use_norm must be a finite number >= 0, got {use_norm}", None, "--use-norm")
+    from clipcli.commands import clip
+
+    return _clip(
+        path, clip.clip_global_norm, clip.ClipGlobalNormOptions, output, in_place, clip_norm=float(clip_norm),
+        use_norm=None if use_norm is None else float(use_norm), allow_nonfinite=allow_nonfinite, include=include,
+        exclude=exclude, sort=sort, top=top, jobs=jobs,
+    )  # fmt: skip
+
+
+def _positive_finite(value: float, param: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{param[2:].replace('-', '_')} must be a finite number > 0, got {value}", None, param)
+
+
+def convert_of(
+    path: PathLike,
+    output: PathLike,
+    *,
+    max_shard_size: int | None = None,
+    dry_run: bool = False,
+    drop_metadata: bool = False,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> ConvertReport:
+    """`clipcli convert PATH -o OUTPUT [--max-shard-size BYTES]`: the same tensors in another format or layout."""
+    from clipcli.checkpoint import check_output, open_checkpoint
+    from clipcli.commands.convert import ConvertOptions, convert
+    from clipcli.commands.passes import workers
+
+    with open_checkpoint(path) as ckpt:
+        if drop_metadata:
+            ckpt.metadata = {}
+        target = check_output(output, ckpt, resharding=max_shard_size is not None, command="convert")
+        options = ConvertOptions(
+            target=target, dry_run=dry_run, max_shard=max_shard_size, selection=_selection(include, exclude),
+            sort=sort, top=top, jobs=workers(jobs),
+        )  # fmt: skip
+        return convert(ckpt, options)
+
+
+def failures(
+    report: Any,
+    *,
+    fail_above: float | None = None,
+    fail_nonfinite: bool = False,
+    fail_rel_above: float | None = None,
+    fail_different: bool = False,
+) -> list[str]:
+    """The command line's gates on a report of `global_norm_of` (`fail_above`, `fail_nonfinite`) or `diff_of`
+    (`fail_above`, `fail_rel_above`, `fail_different`): why it fails them, one line each, or [] where it passes
+    (where the command line exits 0; it exits 1 with the first line otherwise).
+
+    Raises:
+        TypeError: for a report of another command, or a gate the command does not have.
+    """
+    from clipcli.report.diff import DiffReport
+    from clipcli.report.norms import NormReport
+
+    if isinstance(report, NormReport):
+        if fail_rel_above is not None or fail_different:
+            raise TypeError("global-norm has the gates fail_above and fail_nonfinite")
+        from clipcli.commands import global_norm
+
+        return global_norm.failures(report, global_norm.NormLimits(fail_above, fail_nonfinite))
+    if isinstance(report, DiffReport):
+        if fail_nonfinite:
+            raise TypeError("diff has the gates fail_above, fail_rel_above and fail_different")
+        from clipcli.commands import diff
+
+        return diff.failures(report, diff.DiffLimits(fail_above, fail_rel_above, fail_different))
+    raise TypeError(f"no gates for {type(report).__name__}")

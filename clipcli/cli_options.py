@@ -1,0 +1,368 @@
+"""The command line's options: their names, metavars and help, and the parsing of their values."""
+
+# No `from __future__ import annotations` here: Typer reads the commands' annotations (these) at every run.
+
+import importlib.util
+import math
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer  # noqa: TID251 (the command line's own module, beside cli.py)
+
+from clipcli import __version__
+
+
+class Command(typer.core.TyperCommand):
+    """Usage lines name arguments as words (`CKPT...`), without Typer's braces around required ones."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+class Group(typer.core.TyperGroup):
+    """`--show-completion [SHELL]` and `--install-completion [SHELL]`: an option's value that may be left out,
+    which Typer's parser cannot say (Typer's own options are flags that ignore a shell named after them)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args[:1] in (["--show-completion"], ["--install-completion"]) and args[1:2] in ([], ["-h"], ["--help"]):
+            args = [args[0], "", *args[1:]]  # no SHELL: the current shell
+        return super().parse_args(ctx, args)
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+class SortKey(str, Enum):
+    name = "name"
+    norm = "norm"
+    size = "size"
+
+
+class InspectSortKey(str, Enum):
+    name = "name"
+    size = "size"
+
+
+class DiffSortKey(str, Enum):
+    name = "name"
+    norm = "norm"
+    size = "size"
+    diff = "diff"
+    rel = "rel"
+
+
+def parse_path(text: str) -> Path:
+    """A checkpoint's path as given. Not Click's Path type, which refuses a file it cannot read as a usage error
+    (exit 2; the contract: exit 3, one line), and takes an empty path for the current directory."""
+    if not text:
+        raise typer.BadParameter("an empty path names no file")
+    return Path(text)
+
+
+def parse_report_path(text: str) -> Path:
+    """--report FILE. `-` is refused as `-o -` is: the JSON on stdout is `--format json`, and a second way there
+    would need rules for `--format csv --report -` or `--quiet --report -`."""
+    if text == "-":
+        raise typer.BadParameter(
+            "clipcli writes the report to a file, not standard output; for JSON on standard output use --format json"
+        )
+    return parse_path(text)
+
+
+Checkpoints = Annotated[
+    list[Path],
+    typer.Argument(
+        metavar="CKPT...",
+        parser=parse_path,
+        help="Checkpoints: .safetensors, .npz, .npy or PyTorch (.pt, .pth, .bin, .ckpt) files, sharded indexes "
+        "(*.safetensors.index.json, pytorch_model.bin.index.json), or directories (shards, or a "
+        "torch.distributed.checkpoint).",
+        show_default=False,
+    ),
+]
+OneCheckpoint = Annotated[
+    Path,
+    typer.Argument(
+        metavar="CKPT",
+        parser=parse_path,
+        help="The checkpoint to clip (a .safetensors, .npz, .npy or PyTorch file, a sharded index or directory).",
+        show_default=False,
+    ),
+]
+Include = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        metavar="GLOB",
+        help="Only tensors whose names match (repeatable; fnmatch syntax, e.g. 'model.layers.*.mlp.*').",
+    ),
+]
+Exclude = Annotated[
+    list[str] | None,
+    typer.Option("--exclude", metavar="GLOB", help="Leave out tensors whose names match (repeatable)."),
+]
+FormatOpt = Annotated[Format, typer.Option("--format", metavar="FORMAT", help="Report format: table, json or csv.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No report on stdout; errors still go to stderr.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+Sort = Annotated[
+    SortKey | None,
+    typer.Option("--sort", metavar="KEY", help="Order the rows by name, norm or size (norm and size: largest first)."),
+]
+Ord = Annotated[str, typer.Option("--ord", metavar="P", help="The norms' order: 2, 1, inf or any p in (0, 1e15].")]
+Depth = Annotated[
+    int | None,
+    typer.Option(
+        "--depth", min=1, metavar="N", help="Also group tensors by the first N dot-separated parts of their names."
+    ),
+]
+InspectSort = Annotated[
+    InspectSortKey | None,
+    typer.Option("--sort", metavar="KEY", help="Order the rows by name or size (size: largest first)."),
+]
+Top = Annotated[
+    int | None,
+    typer.Option("--top", min=1, metavar="K", help="Show only the first K rows (the summary still covers all)."),
+]
+Output = Annotated[
+    str | None,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="OUT",
+        help="Where to write: a .safetensors/.npz/.npy file (the suffix "
+        "picks the format) or, for sharded safetensors, a directory.",
+    ),
+]
+InPlace = Annotated[bool, typer.Option("--in-place", help="Replace the input (atomically) instead of -o.")]
+DropMetadata = Annotated[
+    bool,
+    typer.Option(
+        "--drop-metadata",
+        help="Write no metadata (an .npz or .npy has no place for it; without this, a checkpoint with metadata "
+        "is refused there).",
+    ),
+]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Compute and report, write nothing.")]
+ReportFile = Annotated[
+    Path | None,
+    typer.Option("--report", metavar="FILE", parser=parse_report_path, help="Also write the report as JSON to FILE."),
+]
+Jobs = Annotated[
+    int | None,
+    typer.Option(
+        "--jobs", "-j", min=1, metavar="N", help="Workers reading and computing (default and most: the cores)."
+    ),
+]
+AllowNonfinite = Annotated[
+    bool,
+    typer.Option(
+        "--allow-nonfinite",
+        help="Clip even when a norm is NaN or Inf, giving NaN outputs as TensorFlow does (default: refuse, exit 1).",
+    ),
+]
+
+
+def examples(*lines: str) -> str:
+    """A help epilog of examples, kept as written (Click rewraps other paragraphs)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def usage(message: str, param: str) -> NoReturn:
+    raise typer.BadParameter(message, param_hint=param)
+
+
+def parse_float(text: str, param: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        usage(f"{text!r} is not a number", param)
+    if math.isnan(value):
+        usage("must be a number, not NaN", param)
+    return value
+
+
+def parse_limit(text: str, param: str) -> float:
+    """A gate's threshold: a number >= 0 (inf allowed: only a figure that is not finite fails)."""
+    value = parse_float(text, param)
+    if value < 0:
+        usage(f"must be a number >= 0 (a norm is never negative), got {text}", param)
+    return value
+
+
+def positive_finite(value: float, text: str, param: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        usage(f"must be a finite number > 0, got {text}", param)
+
+
+def parse_ord(text: str) -> float:
+    if text.lower() in ("inf", "infinity"):
+        return math.inf
+    from clipcli.core.norms import MAX_ORDER
+
+    value = parse_float(text, "--ord")
+    if not value > 0:
+        usage(f"must be 1, 2, inf or any p > 0, got {text}", "--ord")
+    if value > MAX_ORDER:
+        message = f"orders above {MAX_ORDER:g} are not supported (the norm is then the largest magnitude: --ord inf)"
+        message += f", got {text}"
+        usage(message, "--ord")
+    return value
+
+
+def parse_axes(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        axes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        usage(f"must be comma-separated integers such as 0,1 or -1, got {text!r}", "--axes")
+    if len(set(axes)) != len(axes):
+        usage(f"names an axis twice: {text}", "--axes")
+    return axes
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def parse_size(text: str, param: str) -> int:
+    """A size such as 5GB (10**9 bytes, as Hugging Face counts), 500MiB (2**20) or 1000000 (bytes)."""
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        usage(f"must be a size such as 5GB, 500MiB or 1000000 (bytes), got {text!r}", param)
+    if not math.isfinite(value):
+        usage(f"must be a finite size, got {text}", param)
+    if value < 1:
+        usage(f"must be at least 1 byte, got {text}", param)
+    return int(value)
+
+
+def show_version(value: bool) -> None:
+    if value:
+        # Whether the install compiled clipcli/_fused.c: found without importing NumPy, which it needs.
+        built = importlib.util.find_spec("clipcli._fused") is not None
+        typer.echo(f"clipcli {__version__} ({'compiled loops' if built else 'no compiled loops: NumPy and BLAS'})")
+        raise typer.Exit()
+
+
+def _completion(ctx: typer.Context, param: Any, value: str | None) -> None:
+    """--show-completion [SHELL] and --install-completion [SHELL]: Typer's own, for SHELL or, without one, for
+    the shell clipcli runs in."""
+    if value is None or ctx.resilient_parsing:
+        return
+    from typer import completion  # noqa: TID251
+
+    callback = completion.show_callback if param.name == "show_completion" else completion.install_callback
+    callback(ctx, param, value or True)  # True: Typer finds the current shell
+
+
+def completion_option(name: str, what: str) -> Any:
+    return typer.Option(
+        name,
+        metavar="[SHELL]",
+        callback=_completion,
+        is_eager=True,
+        expose_value=False,
+        help=f"{what} completion for SHELL (bash, zsh, fish, powershell, pwsh; default: the current shell).",
+    )
+
+
+# --- Options of one command ---------------------------------------------------------------------
+
+FailAbove = Annotated[
+    str | None,
+    typer.Option("--fail-above", metavar="X", help="Exit 1 if a global norm exceeds X or is not finite."),
+]
+FailNonfinite = Annotated[bool, typer.Option("--fail-nonfinite", help="Exit 1 if a selected tensor holds NaN or Inf.")]
+
+
+def _clip_norm(what: str) -> Any:
+    return typer.Option("--clip-norm", metavar="N", show_default=False, help=what)
+
+
+Min = Annotated[
+    str,
+    typer.Option(
+        "--min",
+        metavar="A",
+        show_default=False,
+        help="Lower bound, rounded to each tensor's dtype as TensorFlow does (bfloat16 0.1 is 0.10009765625).",
+    ),
+]
+Max = Annotated[
+    str,
+    typer.Option(
+        "--max", metavar="B", show_default=False, help="Upper bound, rounded to each tensor's dtype likewise."
+    ),
+]
+ClipNorm = Annotated[str, _clip_norm("The largest L2 norm a tensor (or slice) may keep; > 0.")]
+Axes = Annotated[
+    str | None,
+    typer.Option(
+        "--axes",
+        metavar="AXES",
+        help="Norm over these axes only, e.g. 0,1 or -1 for per-row norms (default: the whole tensor).",
+    ),
+]
+GlobalClipNorm = Annotated[str, _clip_norm("The largest global L2 norm the tensors may keep; > 0.")]
+UseNorm = Annotated[
+    str | None,
+    typer.Option("--use-norm", metavar="G", help="Use G (finite, >= 0) as the global norm instead of computing it."),
+]
+DiffA = Annotated[
+    Path, typer.Argument(metavar="A", parser=parse_path, help="The checkpoint compared against (the reference).")
+]
+DiffSort = Annotated[
+    DiffSortKey | None,
+    typer.Option(
+        "--sort", metavar="KEY", help="Order the rows by name, norm (of A), size, diff or rel (largest first)."
+    ),
+]
+DiffFailAbove = Annotated[
+    str | None,
+    typer.Option("--fail-above", metavar="X", help="Exit 1 if the global ‖A−B‖ exceeds X or is not finite."),
+]
+FailRelAbove = Annotated[
+    str | None,
+    typer.Option("--fail-rel-above", metavar="R", help="Exit 1 if the global ‖A−B‖/‖A‖ exceeds R or is not finite."),
+]
+FailDifferent = Annotated[
+    bool,
+    typer.Option(
+        "--fail-different",
+        help="Exit 1 if anything differs: values, names, shapes, dtypes or metadata (cmp for checkpoints).",
+    ),
+]
+ConvertCheckpoint = Annotated[
+    Path,
+    typer.Argument(
+        metavar="CKPT", parser=parse_path, help="The checkpoint to convert (a file, sharded index or directory)."
+    ),
+]
+ConvertOutput = Annotated[
+    str,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="OUT",
+        show_default=False,
+        help="A .safetensors/.npz/.npy file (the suffix picks the format) or a directory of shards.",
+    ),
+]
+MaxShardSize = Annotated[
+    str | None,
+    typer.Option(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="Write Hugging Face style shards of at most SIZE (5GB, 500MiB, bytes) and an index into OUT.",
+    ),
+]
+DiffB = Annotated[Path, typer.Argument(metavar="B", parser=parse_path, help="The checkpoint compared with A.")]

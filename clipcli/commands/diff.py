@@ -1,0 +1,295 @@
+"""`diff`: how far checkpoint B is from A, tensor by tensor (matched by name) and over all, and its gates."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout
+from clipcli.checkpoint._engine import pair_values
+from clipcli.commands import passes
+from clipcli.commands.gates import exceeds, limit_text
+from clipcli.commands.measure import NormOptions
+from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress, gathered
+from clipcli.commands.select import Selection, floating, order
+from clipcli.core.blocks import BLOCK
+from clipcli.core.differences import DiffAccumulator, DiffFigures
+from clipcli.core.small import SmallDiffs, small_diffs
+from clipcli.errors import CheckFailedError, UsageError
+from clipcli.report.diff import DiffGroup, DiffReport, DiffRow, Mismatch
+
+
+@dataclass(frozen=True)
+class DiffOptions(NormOptions):
+    """What `diff` compares (`NormOptions`: the order is that of ‖A−B‖; `sort` also takes diff and rel)."""
+
+
+@dataclass(frozen=True)
+class DiffLimits:
+    """The gates of `diff`: `fail_above` (the global ‖A−B‖), `fail_rel_above` (‖A−B‖/‖A‖), `fail_different`
+    (anything at all differs); the `*_text` fields give the limits as the command line gave them, for the
+    message."""
+
+    fail_above: float | None = None
+    fail_rel_above: float | None = None
+    fail_different: bool = False
+    fail_above_text: str | None = None
+    fail_rel_above_text: str | None = None
+
+
+def check_measured(report: DiffReport, limits: DiffLimits) -> None:
+    """Refuses a norm gate over checkpoints with no floating tensor in both: a gate never passes because nothing
+    was measured.
+
+    Raises:
+        UsageError: when a norm gate is given and no floating tensor was compared.
+    """
+    if (limits.fail_above is not None or limits.fail_rel_above is not None) and not report.tensors:
+        gate = "--fail-above" if limits.fail_above is not None else "--fail-rel-above"
+        raise UsageError("no floating tensor is in both checkpoints, so the gate has nothing to check", report.a, gate)
+
+
+def failures(report: DiffReport, limits: DiffLimits) -> list[str]:
+    """Why the report fails its gates, in the order --fail-different, --fail-above, --fail-rel-above (the
+    command line exits with the first); none where it passes."""
+    # named as before the reports kept paths as typed back: `./` before A only (the pair is one "path")
+    b = report.b[2:] if report.b.startswith("./-") else report.b
+    where = f"{report.a} vs {b}"
+    out = []
+    if limits.fail_different and report.different:
+        out.append(CheckFailedError(f"{'; '.join(report.different)} (--fail-different)", where))
+    if limits.fail_above is not None and report.exceeds(limits.fail_above):
+        text = limits.fail_above_text or limit_text(limits.fail_above)
+        out.append(CheckFailedError(exceeds("‖A−B‖", report.stats.diff_norm, "--fail-above", text), where))
+    if limits.fail_rel_above is not None and report.rel_exceeds(limits.fail_rel_above):
+        text = limits.fail_rel_above_text or limit_text(limits.fail_rel_above)
+        out.append(CheckFailedError(exceeds("‖A−B‖/‖A‖", report.checked_rel, "--fail-rel-above", text), where))
+    return [str(e) for e in out]
+
+
+class DiffKernel:
+    """A worker's kernel for diff: per pair, its differences (blocks merged exactly) and whether all its
+    bytes were the same."""
+
+    worker_bytes = 7 << 20
+
+    def __init__(self, p: float, pairs: list[tuple[TensorInfo, TensorInfo]], numeric: list[bool]):
+        self.p, self.pairs, self.numeric = p, pairs, numeric
+        self.accs: dict[int, DiffAccumulator] = {}
+        self.small: list[tuple[list[int], SmallDiffs]] = []  # runs of small pairs, by pair number
+        self.differs: set[int] = set()  # pairs some of whose bytes (or dtypes) differ
+        self.values_differ: set[int] = set()  # pairs compared for sameness some of whose values differ
+
+    def batch(
+        self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
+    ) -> None:
+        """Whole small pairs read together: runs of pairs of one pair of native floating dtypes, fewer than
+        BLOCK values each, in a few NumPy passes for the run (`small_diffs`, the same bits); the others
+        pair by pair."""
+        i = 0
+        for key, group in itertools.groupby(self._run_key(k) for k in ids):
+            j = i + sum(1 for _ in group)
+            if key is not None:
+                self._run(ids[i:j], raw_a, starts_a[i:j], raw_b, starts_b[i:j])
+            for k, sa, sb in zip(ids[i:j] if key is None else (), starts_a[i:j], starts_b[i:j], strict=False):
+                ta, tb = self.pairs[k]
+                self.pair(k, 0, *pair_values(ta, tb, raw_a[sa : sa + ta.nbytes], raw_b[sb : sb + tb.nbytes]))
+            i = j
+
+    def _run_key(self, i: int) -> tuple[np.dtype, np.dtype] | None:
+        """The dtypes of pair i where it is measured among other small pairs of them (`small_diffs`:
+        native floating values, fewer than BLOCK and more than none); None where it is measured alone."""
+        a, b = self.pairs[i]
+        small = self.numeric[i] and a.stored_dtype is None and b.stored_dtype is None
+        return (a.array_dtype, b.array_dtype) if small and 0 < a.size < BLOCK else None
+
+    def _run(
+        self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
+    ) -> None:
+        ta, tb = self.pairs[ids[0]]
+        run = [self.pairs[i] for i in ids]
+        va = gathered(raw_a, starts_a, [a for a, _ in run], ta.array_dtype)
+        vb = gathered(raw_b, starts_b, [b for _, b in run], tb.array_dtype)
+        sizes = [a.nbytes // ta.array_dtype.itemsize for a, _ in run]
+        self.small.append((list(ids), small_diffs(va, vb, sizes, self.p)))
+        if ta.array_dtype != tb.array_dtype:
+            self.differs.update(ids)
+            return
+        bits = np.dtype(f"u{ta.array_dtype.itemsize}")
+        equal = np.logical_and.reduceat(va.view(bits) == vb.view(bits), np.cumsum(sizes) - sizes)
+        self.differs.update(i for i, same in zip(ids, equal.tolist(), strict=True) if not same)
+
+    def pair(self, i: int, start: int, a: np.ndarray, b: np.ndarray, same: bool) -> None:
+        if not same:
+            self.differs.add(i)
+        if not self.numeric[i]:
+            # by value across dtypes (int32 against int64, a mask as bool or uint8); else the bytes tell
+            if not same and (a.dtype == b.dtype or not _same_numbers(a, b)):
+                self.values_differ.add(i)
+            return
+        acc = self.accs.get(i)
+        if acc is None:
+            acc = self.accs[i] = DiffAccumulator(self.p)
+        if same:
+            acc.add_identical(a)
+        else:
+            acc.add(a, b)
+
+    def result(
+        self,
+    ) -> tuple[dict[int, DiffAccumulator], list[tuple[list[int], SmallDiffs]], set[int], set[int]]:
+        return self.accs, self.small, self.differs, self.values_differ
+
+
+def _same_numbers(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether arrays of two dtypes hold the same numbers, exactly: NumPy compares an integer with a float in
+    float64, where 2**53 + 1 equals 2**53 (integers with integers it compares exactly)."""
+    if (a.dtype.kind in "biu") == (b.dtype.kind in "biu"):
+        return bool(np.array_equal(a, b))
+    ints, other = (a, b) if a.dtype.kind in "biu" else (b, a)
+    if other.dtype.kind == "c":
+        if np.any(other.imag):
+            return False
+        other = other.real
+    w = other.astype(np.float64)  # exact: every floating type here fits float64
+    unsigned = ints.dtype.kind in "bu"
+    lo, hi = (0.0, 2.0**64) if unsigned else (-(2.0**63), 2.0**63)
+    if not ((w == np.trunc(w)) & (w >= lo) & (w < hi)).all():  # NaN and inf fail here too
+        return False
+    target = np.uint64 if unsigned else np.int64
+    return bool(np.array_equal(w.astype(target), ints.astype(target)))
+
+
+# Metadata that says how a file was written, not what it holds: the `format` of a safetensors `__metadata__`
+# (`pt`, `np`, `tf`, ...: the library that saved it), which every Hugging Face save writes and a PyTorch file,
+# an .npz or clipcli's own conversion of them does not.
+_LAYOUT_KEYS = {"safetensors": frozenset({"format"}), "sharded": frozenset({"format"})}
+
+
+def metadata_differs(a: Checkpoint, b: Checkpoint, selection: Selection) -> tuple[str, ...]:
+    """The metadata keys, sorted, that the selection takes and whose values (strings) differ or that one
+    checkpoint alone has, layout keys aside."""
+    layout = _LAYOUT_KEYS.get(a.format, frozenset()) | _LAYOUT_KEYS.get(b.format, frozenset())
+    keys = a.metadata.keys() | b.metadata.keys()
+    return tuple(sorted(k for k in keys - layout if a.metadata.get(k) != b.metadata.get(k) and selection.selects(k)))
+
+
+def diff(
+    a: Checkpoint, b: Checkpoint, options: DiffOptions = DiffOptions(), progress: Progress = NO_PROGRESS
+) -> DiffReport:
+    """How far checkpoint B is from A, tensor by tensor (matched by name) and over all compared tensors.
+
+    Floating tensors of the same shape are compared by value, whatever their dtypes; other tensors
+    (integers, types carried as bytes) only for being the same; tensors in one checkpoint only, shapes
+    that differ and metadata keys that differ (`metadata_differs`) are listed. Both are read in lockstep,
+    in chunks.
+
+    Raises:
+        UsageError: when --include/--exclude select nothing in either checkpoint.
+    """
+    selection, p, depth, sort, top = options.selection, options.ord, options.depth, options.sort, options.top
+    listed_a = {t.name: t for t in a.tensors if selection.selects(t.name)}
+    listed_b = {t.name: t for t in b.tensors if selection.selects(t.name)}
+    if (selection.include or selection.exclude) and not listed_a and not listed_b:
+        selection.check(a)
+    names = [n for n in listed_a if n in listed_b]
+    mismatched, pairs, numeric = [], [], []
+    for name in names:
+        ta, tb = listed_a[name], listed_b[name]
+        if ta.shape != tb.shape:
+            mismatched.append(Mismatch(name, ta.shape, tb.shape, "shapes differ"))
+        elif ta.skip is not None or tb.skip is not None or ta.location is None or tb.location is None:
+            mismatched.append(Mismatch(name, ta.shape, tb.shape, f"cannot be compared: {ta.skip or tb.skip}"))
+        elif (ta.array_dtype is None) != (tb.array_dtype is None) or (ta.array_dtype is None and ta.dtype != tb.dtype):
+            what = f"{ta.dtype} with {tb.dtype}" if ta.dtype != tb.dtype else f"{ta.dtype} in another byte order"
+            mismatched.append(Mismatch(name, ta.shape, tb.shape, f"cannot compare {what}"))
+        elif ta.array_dtype is None and byte_layout(ta) != byte_layout(tb):
+            reason = f"cannot compare {ta.dtype} stored as bytes in another type, byte order or element order"
+            mismatched.append(Mismatch(name, ta.shape, tb.shape, reason))
+        else:
+            pairs.append((ta, tb))
+            numeric.append(floating(ta) and floating(tb))
+    progress.phase("comparing", sum(x.nbytes + y.nbytes for x, y in pairs))
+    results = passes.run_pass((a, b), pairs, lambda: DiffKernel(p, pairs, numeric), options.jobs, progress=progress)
+    per_pair = PerTensor([batch for _, small, _, _ in results for batch in small])
+    differs: set[int] = set()
+    values_differ: set[int] = set()
+    for accs, _, worker_differs, worker_values_differ in results:
+        differs |= worker_differs
+        values_differ |= worker_values_differ
+        for i, acc in accs.items():
+            per_pair.setdefault(i, DiffAccumulator(p)).merge(acc)
+    total = DiffAccumulator(p)
+    # each numeric pair's figures (an empty tensor's, which has no chunks, those of no values)
+    figures: list[DiffFigures | None] = [None] * len(pairs)
+    for ids, s in per_pair.batches:
+        s.merge_into(total)
+        for i, f in zip(ids, s.figures(), strict=True):
+            figures[i] = f
+    for i, acc in per_pair.items():  # the pairs measured alone
+        total.merge(acc)
+        figures[i] = acc.result().figures()
+    whole = total.result()
+    g = whole.diff_norm
+    # (d / g) ** p for orders 1 and 2 where g is a finite number; else from the exact sums (see `measure.measured`)
+    plain = 0 < g < math.inf and p in (1.0, 2.0)
+    shares: dict[int, float | None] = {}
+    if not plain:
+        for ids, s in per_pair.batches:
+            shares.update(zip(ids, s.shares_of(total), strict=True))
+        shares.update((i, acc.share_of(total)) for i, acc in per_pair.items())
+    rows, others = [], []
+    for i, (ta, tb) in enumerate(pairs):
+        identical = ta.dtype == tb.dtype and i not in differs
+        if not numeric[i]:
+            either = floating(ta) or floating(tb)
+            reason = f"floating in {'A' if floating(ta) else 'B'} only" if either else "not a floating tensor"
+            others.append(DiffRow.other(ta, tb, identical, i not in values_differ, reason))
+            continue
+        f = figures[i] or DiffAccumulator(p).result().figures()
+        share = (f[2] / g) ** p if plain else shares.get(i, 0.0)
+        rows.append(DiffRow(ta.name, ta.shape, ta.dtype, tb.dtype, ta.nbytes, identical, *f, share))
+    every = _diff_groups(per_pair, pairs, numeric, depth, p, total) if depth else ()
+    groups = order(every, sort, top) if depth else None
+    return DiffReport(
+        ord=p,
+        a=str(a.path),
+        b=str(b.path),
+        stats=whole,
+        tensors=tuple(rows),
+        # --top K picks among the tensors that differ; the identical ones are counted, not ranked
+        shown=order(rows, sort, None) if top is None else order([r for r in rows if not r.identical], sort, top),
+        others=tuple(others),
+        only_a=tuple(n for n in listed_a if n not in listed_b),
+        only_b=tuple(n for n in listed_b if n not in listed_a),
+        mismatched=tuple(mismatched),
+        metadata_differs=metadata_differs(a, b, selection),
+        groups=groups,
+        group_count=len(every),
+    )
+
+
+def _diff_groups(
+    accs: PerTensor,
+    pairs: list[tuple[TensorInfo, TensorInfo]],
+    numeric: list[bool],
+    depth: int,
+    p: float,
+    total: DiffAccumulator,
+) -> list[DiffGroup]:
+    totals: dict[str, DiffAccumulator] = {}
+    counts: dict[str, int] = {}
+    for i, (ta, _) in enumerate(pairs):
+        if numeric[i]:
+            key = ".".join(ta.name.split(".")[:depth])
+            totals.setdefault(key, DiffAccumulator(p)).merge(accs[i])
+            counts[key] = counts.get(key, 0) + 1
+    out = []
+    for key, acc in totals.items():
+        s = acc.result()
+        out.append(DiffGroup(key, counts[key], s.diff_norm, s.norm_a, s.rel, acc.share_of(total)))
+    return out

@@ -1,0 +1,213 @@
+"""Measuring norms: the kernel that accumulates each tensor's chunks, and the report's rows from its sums."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from clipcli.checkpoint import Checkpoint, TensorInfo
+from clipcli.commands import passes
+from clipcli.commands.passes import PerTensor, Progress, gathered
+from clipcli.commands.select import EVERY, Selection
+from clipcli.core.blocks import BLOCK, is_floating
+from clipcli.core.norms import NormAccumulator
+from clipcli.core.small import SmallNorms, small_norms
+from clipcli.errors import CheckFailedError, printable
+from clipcli.report.render import plural
+from clipcli.report.rows import Group, Skipped, TensorRow
+
+
+@dataclass(frozen=True)
+class NormOptions:
+    """What a command that measures norms (`global-norm`, `diff`) measures: the tensors `selection` takes, the
+    norms' order `ord` (2, 1, inf or any p > 0), groups of the first `depth` name parts, rows sorted by `sort`
+    (name, norm, size; for diff also diff, rel) and cut to `top`, with `jobs` workers."""
+
+    selection: Selection = EVERY
+    ord: float = 2.0
+    depth: int | None = None
+    sort: str | None = None
+    top: int | None = None
+    jobs: int = 1
+
+
+class NormKernel:
+    """A worker's kernel: the norm of each tensor's chunks it reads, blocks placed by their offsets."""
+
+    worker_bytes = 5 << 20  # what one worker takes (see _engine.WORKERS_BUDGET)
+
+    def __init__(self, p: float):
+        self.p = p
+        self.accs: dict[str, NormAccumulator] = {}
+        self.small: list[tuple[list[str], SmallNorms]] = []  # runs of small tensors, by name
+
+    def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> None:
+        acc = self.accs.get(t.name)
+        if acc is None:
+            acc = self.accs[t.name] = NormAccumulator(self.p)
+        acc.add(values, offset // values.itemsize)
+
+    def batch(self, ts: list[TensorInfo], raw: np.ndarray, starts: list[int]) -> None:
+        """Whole small tensors read together: runs of one native dtype, fewer than BLOCK values each, in a
+        few NumPy passes for the run (`small_norms`, the same bits)."""
+        i = 0
+        while i < len(ts):
+            t = ts[i]
+            dtype = t.array_dtype
+            if t.stored_dtype is not None or t.size >= BLOCK or not is_floating(dtype):
+                self.chunk(t, 0, _values(raw, starts[i], t))
+                i += 1
+                continue
+            small = BLOCK * dtype.itemsize  # fewer bytes than this: fewer values than a block
+            j = i + 1
+            while j < len(ts) and _joins(ts[j], dtype, small):
+                j += 1
+            run = ts[i:j]
+            values = gathered(raw, starts[i:j], run, dtype)
+            sizes = [u.nbytes // dtype.itemsize for u in run]
+            self.small.append(([u.name for u in run], small_norms(values, sizes, self.p)))
+            i = j
+
+    def result(self) -> tuple[dict[str, NormAccumulator], list[tuple[list[str], SmallNorms]]]:
+        return self.accs, self.small
+
+
+def _joins(u: TensorInfo, dtype: np.dtype, small: int) -> bool:
+    """Whether u joins a run of small tensors of `dtype` (each of fewer than `small` bytes) for `small_norms`."""
+    return (u.array_dtype is dtype or u.array_dtype == dtype) and u.stored_dtype is None and u.nbytes < small
+
+
+def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
+    from clipcli.checkpoint._engine import as_values
+
+    return as_values(raw[start : start + t.nbytes], t.stored_dtype or t.array_dtype)
+
+
+def combined(
+    p: float,
+    tensors: list[TensorInfo],
+    parts: Iterable[dict[str, NormAccumulator]],
+    batches: Sequence[tuple[list[str], SmallNorms]] = (),
+) -> PerTensor:
+    """Each tensor's norm from the workers' parts (exactly: the same bits however the chunks were shared)."""
+    per_tensor = PerTensor(batches)
+    for accs in parts:
+        for name, acc in accs.items():
+            if name in per_tensor:
+                per_tensor[name].combine(acc)
+            else:
+                per_tensor[name] = acc
+    for t in tensors:
+        if t.name not in per_tensor and not per_tensor.batched(t.name):
+            per_tensor[t.name] = NormAccumulator(p)  # no chunks: empty
+    return per_tensor
+
+
+@dataclass
+class Measured:
+    """The rows of the measured tensors, the skipped ones, the total over all and each tensor's accumulator."""
+
+    rows: list[TensorRow]
+    skipped: list[Skipped]
+    total: NormAccumulator
+    per_tensor: PerTensor
+
+
+def measure(
+    ckpt: Checkpoint,
+    selected: list[TensorInfo],
+    skipped: list[Skipped],
+    p: float,
+    progress: Progress,
+    jobs: int,
+) -> Measured:
+    """One pass over the selected tensors: each one's norm, max |x|, NaN and Inf counts, and share."""
+    progress.phase("measuring", sum(t.nbytes for t in selected))
+    results = passes.run_pass(ckpt, selected, lambda: NormKernel(p), jobs, progress=progress)
+    batches = [batch for _, small in results for batch in small]
+    return measured(selected, skipped, combined(p, selected, (accs for accs, _ in results), batches), p)
+
+
+def measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: PerTensor, p: float) -> Measured:
+    """The report's rows from each selected tensor's accumulated norm (small tensors' in a few NumPy passes)."""
+    total = NormAccumulator(p)
+    stats: dict[str, tuple[float, float, int, int]] = {}
+    for names, s in per_tensor.batches:
+        s.merge_into(total)
+        figures = zip(s.norms().tolist(), s.max_abs.tolist(), s.nan.tolist(), s.inf.tolist(), strict=True)
+        stats.update(zip(names, figures, strict=True))
+    for t in selected:
+        if t.name not in stats:
+            acc = per_tensor[t.name]
+            r = acc.result()
+            stats[t.name] = (r.norm, r.max_abs, r.nan, r.inf)
+            total.merge(acc)
+    g = total.result().norm
+    # (norm / g) ** p for orders 1 and 2 where both are finite numbers (within an ulp or two); else from the
+    # exact sums, which are right also where the norms overflow float64, and for any order (the ratio's
+    # rounding grows p times in its power: shares of 1e15-norms were 3% off)
+    plain = 0 < g < math.inf and p in (1.0, 2.0)
+    shares = (
+        {}
+        if plain
+        else {n: x for names, s in per_tensor.batches for n, x in zip(names, s.shares_of(total), strict=True)}
+    )
+    rows = []
+    for t in selected:
+        norm, max_abs, nan, inf = stats[t.name]
+        share = (norm / g) ** p if plain else shares[t.name] if t.name in shares else per_tensor[t.name].share_of(total)
+        rows.append(TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, share))
+    return Measured(rows, skipped, total, per_tensor)
+
+
+def groups(m: Measured, depth: int, p: float) -> tuple[Group, ...]:
+    """The norms of the tensors grouped by the first `depth` dot-separated parts of their names."""
+    accs: dict[str, NormAccumulator] = {}
+    counts: dict[str, int] = {}
+    for r in m.rows:
+        key = ".".join(r.name.split(".")[:depth])
+        accs.setdefault(key, NormAccumulator(p)).merge(m.per_tensor[r.name])
+        counts[key] = counts.get(key, 0) + 1
+    out = []
+    for key, acc in accs.items():
+        out.append(Group(key, counts[key], acc.result().norm, acc.share_of(m.total)))
+    return tuple(out)
+
+
+def nonfinite(path: str, rows: Iterable[TensorRow]) -> CheckFailedError | None:
+    """The error that names the tensors holding NaN or Inf, or None where none does."""
+    bad = [r for r in rows if r.nan or r.inf]
+    if not bad:
+        return None
+    first = bad[0]
+    others = (
+        f"; also {plural(len(bad) - 1, 'other tensor')}: "
+        + ", ".join(printable(r.name) for r in bad[1:6])
+        + (", ..." if len(bad) > 6 else "")
+        if len(bad) > 1
+        else ""
+    )
+    return CheckFailedError(f"holds {nonfinite_counts(first.nan, first.inf)}{others}", path, first.name)
+
+
+def check_nonfinite(path: str, rows: Iterable[TensorRow]) -> None:
+    """Refuses data holding NaN or Inf, naming the tensors.
+
+    Raises:
+        CheckFailedError: when a tensor holds NaN or Inf.
+    """
+    error = nonfinite(path, rows)
+    if error is not None:
+        raise error
+
+
+def nonfinite_counts(nan: int, inf: int) -> str:
+    """'2 NaN values and 1 Inf value', without the parts that are zero."""
+    parts = [
+        f"{nan:,} NaN value{'s' * (nan != 1)}" if nan else "",
+        f"{inf:,} Inf value{'s' * (inf != 1)}" if inf else "",
+    ]
+    return " and ".join(p for p in parts if p) or "no NaN or Inf value"

@@ -1,0 +1,90 @@
+"""One way to run a pass over checkpoints' chunks: the kernel, the workers, the progress, the results."""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from clipcli.checkpoint import Checkpoint, TensorInfo
+from clipcli.checkpoint._engine import run, run_pairs
+from clipcli.core.blocks import BLOCK
+
+
+class Progress:
+    """Where a command says how far it is: a named pass over so many bytes, then bytes done. Does nothing."""
+
+    def phase(self, label: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+NO_PROGRESS = Progress()
+
+
+def workers(jobs: int | None = None) -> int:
+    """`jobs`, or the cores this process may run on: never more workers than cores (more would only
+    contend for them, and each takes memory)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(jobs, cores) if jobs else cores
+
+
+def run_pass(
+    source: Checkpoint | tuple[Checkpoint, Checkpoint],
+    items: Sequence[Any],
+    make_kernel: Callable[[], Any],
+    jobs: int = 1,
+    align: dict[str, int] | None = None,
+    progress: Progress = NO_PROGRESS,
+) -> Any:
+    """Runs a kernel over every chunk of `items` (tensors of one checkpoint, or pairs of two read in lockstep).
+
+    Workers (processes, or threads) each make a kernel and feed it chunks in any order; the result is each
+    worker's `result()`. A kernel that needs the chunks in order says so (`ordered = True`): one kernel's
+    `chunk(t, offset, values)` is then called by `jobs` threads and the result is an iterator of
+    `(tensor, what chunk returned)` in storage order, which the caller consumes and closes. Pairs are read in
+    blocks of `BLOCK` values, so that a pair's blocks are summed as the array's are.
+    """
+    if isinstance(source, tuple):
+        return run_pairs(source, items, make_kernel, jobs, BLOCK, progress.advance)
+    kernel = make_kernel()  # (cheap: a kernel holds only what its chunks add up)
+    if getattr(kernel, "ordered", False):
+        return source.map_chunks(list(items), kernel.chunk, jobs, align=align)
+    return run(source, items, make_kernel, jobs, align, progress.advance)
+
+
+class PerTensor(dict):
+    """Each tensor's accumulator by name (or each pair's by number, for diff); those of small tensors measured
+    together (`batches`) are made from their `SmallNorms` (`SmallDiffs`) when first asked for (by
+    --depth, or a clip)."""
+
+    def __init__(self, batches: Sequence[tuple[list[Any], Any]] = ()):
+        super().__init__()
+        self.batches = batches
+        self._where = {key: (s, i) for keys, s in batches for i, key in enumerate(keys)}
+
+    def __missing__(self, key: Any) -> Any:
+        s, i = self._where[key]
+        acc = self[key] = s.accumulator(i)
+        return acc
+
+    def batched(self, key: Any) -> bool:
+        """Whether `key` was measured among small tensors (its accumulator made when asked for)."""
+        return key in self._where
+
+
+def gathered(raw: np.ndarray, starts: list[int], tensors: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
+    """The values of tensors read together, one after another: a view where they lie without gaps, else a copy
+    (gaps between them: an .npz's member headers)."""
+    end = starts[-1] + tensors[-1].nbytes
+    if end - starts[0] == sum(map(_NBYTES, tensors)):
+        return raw[starts[0] : end].view(dtype)
+    return np.concatenate([raw[s : s + t.nbytes] for s, t in zip(starts, tensors, strict=True)]).view(dtype)
+
+
+_NBYTES = operator.attrgetter("nbytes")

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from clipcli import core
-from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.checkpoint import engine as _engine
+from clipcli.checkpoint import open_checkpoint
 from clipcli.commands import _Diffs, _Norms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

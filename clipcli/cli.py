@@ -455,7 +455,7 @@ def _emit(
     diff: Any = None,
 ) -> None:
     from clipcli import report as render
-    from clipcli.checkpoint._files import atomic_write
+    from clipcli.checkpoint.atomic import atomic_write
 
     rep = render.Report(command, p, tuple(reports), diff)
     if report_file is not None:

@@ -16,8 +16,20 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from clipcli import core
-from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, Place, TensorInfo, byte_layout, check_plan, placed, save
-from clipcli.checkpoint._engine import pair_values, run, run_pairs
+from clipcli.checkpoint import (
+    MAX_NUMPY_DIMS,
+    Checkpoint,
+    Place,
+    TensorInfo,
+    byte_layout,
+    check_plan,
+    decode,
+    pair_values,
+    placed,
+    run,
+    run_pairs,
+    save,
+)
 from clipcli.errors import CheckFailedError, UnsupportedError, UsageError
 from clipcli.report import (
     CheckpointReport,
@@ -222,9 +234,7 @@ _NBYTES = operator.attrgetter("nbytes")
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
-    from clipcli.checkpoint._engine import as_values
-
-    return as_values(raw[start : start + t.nbytes], t.stored_dtype or t.array_dtype)
+    return decode(raw[start : start + t.nbytes], t)
 
 
 class _PerTensor(dict):
@@ -272,7 +282,7 @@ def _measure(
     jobs: int,
 ) -> _Measured:
     progress.phase("measuring", sum(t.nbytes for t in selected))
-    results = run(ckpt, selected, lambda: _Norms(p), jobs, progress=progress.advance)
+    results = run(ckpt, selected, lambda: _Norms(p), jobs, progress=progress.advance, unit=core.BLOCK)
     batches = [batch for _, small in results for batch in small]
     return _measured(selected, skipped, _combined(p, selected, (accs for accs, _ in results), batches), p)
 
@@ -489,7 +499,15 @@ def _write(
             return _write_in_order(ckpt, job, ops, progress, measure_first)
         tensors = opped if places is None else ckpt.tensors
         progress.phase("clipping" if job.output is None else "writing", sum(t.nbytes for t in tensors))
-        results = run(ckpt, tensors, lambda: _Clips(ops, places, measure_first), job.jobs, align, progress.advance)
+        results = run(
+            ckpt,
+            tensors,
+            lambda: _Clips(ops, places, measure_first),
+            job.jobs,
+            align,
+            progress.advance,
+            unit=core.BLOCK,
+        )
     before = _combined(2.0, opped, (r[0] for r in results)) if measure_first else _PerTensor()
     return before, _combined(2.0, opped, (r[1] for r in results))
 
@@ -514,7 +532,9 @@ def _write_in_order(
     for name in ops:
         before[name], after[name] = core.NormAccumulator(2), core.NormAccumulator(2)
     progress.phase("writing", sum(t.nbytes for t in ckpt.tensors))
-    results = ckpt.map_chunks(ckpt.tensors, work, job.jobs, align={n: op.align for n, op in ops.items()})
+    results = ckpt.map_chunks(
+        ckpt.tensors, work, job.jobs, align={n: op.align for n, op in ops.items()}, unit=core.BLOCK
+    )
     stream = _InOrder(results)
 
     def chunks(t: TensorInfo) -> Iterator[np.ndarray]:
@@ -664,7 +684,7 @@ def _axis_sums(
 
     align = {t.name: max(core.row_group(t.shape) * math.prod(t.shape[1:]), 1) for t in tensors}
     totals: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    results = ckpt.map_chunks(tensors, group_sums, jobs, align=align)
+    results = ckpt.map_chunks(tensors, group_sums, jobs, align=align, unit=core.BLOCK)
     try:
         for t, parts in results:
             for part in parts:
@@ -774,7 +794,7 @@ def convert(
         progress.phase("converting", sum(t.nbytes for t in tensors))
         with placed(ckpt, job.output, None, tensors, max_shard) as places:
             if places is not None:
-                run(ckpt, tensors, lambda: _Copy(places), job.jobs, progress=progress.advance)
+                run(ckpt, tensors, lambda: _Copy(places), job.jobs, progress=progress.advance, unit=core.BLOCK)
         if places is None:
             save(ckpt, job.output, ckpt.chunks, None, tensors, max_shard)
     where = {t.name: str(file) for file, group in layout.files for t in group}

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipcli.checkpoint._dcp import DcpTensor, _layout_error, is_dcp, read_dcp
-from clipcli.checkpoint._torch import is_contiguous, read_torch
+from clipcli.checkpoint.formats.dcp import DcpTensor, _layout_error, is_dcp, read_dcp
+from clipcli.checkpoint.formats.torch import is_contiguous, read_torch
 from clipcli.errors import (
     ClipcliError,
     MalformedError,

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from clipcli import core
-from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.checkpoint import engine as _engine
+from clipcli.checkpoint import open_checkpoint
 from tests.test_cli import SAMPLES, js, ok, run, write_st
 
 F32 = np.float32

@@ -14,7 +14,8 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from clipcli import commands, core
-from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.checkpoint import engine as _engine
+from clipcli.checkpoint import open_checkpoint
 from clipcli.cli import app
 from tests.conftest import st_bytes
 

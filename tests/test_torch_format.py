@@ -32,8 +32,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipcli.checkpoint import _torch, open_checkpoint
-from clipcli.checkpoint._pickle import (
+from clipcli.checkpoint import open_checkpoint
+from clipcli.checkpoint.formats import torch as _torch
+from clipcli.checkpoint.formats._pickle import (
     PLAIN_GLOBALS,
     Constructor,
     PickledDict,
@@ -42,7 +43,7 @@ from clipcli.checkpoint._pickle import (
     unpickle,
     unpickle_at,
 )
-from clipcli.checkpoint._torch import TorchTensor, is_contiguous, read_torch, shared_storages, view_byte_range
+from clipcli.checkpoint.formats.torch import TorchTensor, is_contiguous, read_torch, shared_storages, view_byte_range
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsafePickleError, UnsupportedError
 from tests.test_fuzz import byte_mutations
 
@@ -1015,15 +1016,18 @@ def test_the_parsers_import_no_torch() -> None:
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         assert not any(name.split(".")[0] == "torch" for name in names), source
-        if source.name in ("_pickle.py", "_torch.py"):
+        if source.parent.name == "formats" and source.name in ("_pickle.py", "torch.py"):
             for name in names:
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names or top in ("numpy", "ml_dtypes", "clipcli"), name
                 assert top != "clipcli" or name in (
-                    "clipcli.checkpoint",  # TensorInfo, for open_file
+                    "clipcli.checkpoint.tensor",  # TensorInfo, for open_file
+                    "clipcli.checkpoint.plugin",  # the FORMAT record
+                    "clipcli.checkpoint.registry",  # what a file that is no torch.save file is, for a message
+                    "clipcli.checkpoint.zipmember",
                     "clipcli.errors",
-                    "clipcli.checkpoint._pickle",
-                    "clipcli.checkpoint._files",
+                    "clipcli.checkpoint.formats._pickle",
+                    "clipcli.checkpoint.formats._common",
                     "clipcli.report",  # printable, to escape what a file names in a skip reason
                 )
 

@@ -48,9 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.checkpoint._files import Piece, Pieces, check_elements
-from clipcli.checkpoint._pickle import Constructor, Record, kind, unpickle
-from clipcli.checkpoint._torch import (
+from clipcli.checkpoint.formats._pickle import Constructor, Record, kind, unpickle
+from clipcli.checkpoint.formats.torch import (
     MAX_PICKLE,
     TorchTensor,
     dtype_of,
@@ -59,6 +58,8 @@ from clipcli.checkpoint._torch import (
     resolve_global,
     view_byte_range,
 )
+from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.tensor import Piece, Pieces, TensorInfo, check_elements
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
 
 __all__ = ["METADATA", "DcpChunk", "DcpTensor", "is_dcp", "read_dcp"]
@@ -102,11 +103,9 @@ class DcpTensor:
     skip_reason: str | None
 
 
-def open_directory(directory: Path) -> tuple[dict[str, str], list[Any]]:
+def open_directory(directory: Path) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a distributed checkpoint, each tensor read in its own C order from its
     chunks (`Pieces`), never consolidated."""
-    from clipcli.checkpoint import TensorInfo
-
     metadata, tensors = read_dcp(directory)
     out = []
     for t in tensors:
@@ -735,3 +734,11 @@ def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
                 return f"the chunks at offsets {o} and {offsets} overlap"
         active.append((offsets, sizes))
     return "the chunks overlap"
+
+
+def _open(directory: Path) -> Opened:
+    metadata, tensors = open_directory(directory)
+    return Opened(metadata, tensors, sorted({Path(t.file) for t in tensors}), "distcp", sharded=True)
+
+
+FORMAT = Format("distcp", recognises=is_dcp, open=_open)

@@ -33,8 +33,8 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import LEGACY_TORCH_MAGIC, Piece, Pieces, Span, check_elements, sniff, zip_data_start
-from clipcli.checkpoint._pickle import (
+from clipcli.checkpoint.formats._common import first_zip_member
+from clipcli.checkpoint.formats._pickle import (
     MAX_DEPTH,
     PLAIN_GLOBALS,
     Constructor,
@@ -44,6 +44,9 @@ from clipcli.checkpoint._pickle import (
     unpickle,
     unpickle_at,
 )
+from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.tensor import Piece, Pieces, Span, TensorInfo, check_elements
+from clipcli.checkpoint.zipmember import zip_data_start
 from clipcli.errors import (
     ClipcliError,
     FileTypeError,
@@ -69,7 +72,7 @@ __all__ = [
 # Bytes of pickle clipcli reads: a state dict of 10^5 tensors takes ~10 MB; unpickled, a pickle can take
 # up to ~100 times its size (an EMPTY_DICT opcode is 1 byte, a dict 64).
 MAX_PICKLE = 256 << 20
-MAGIC_NUMBER = LEGACY_TORCH_MAGIC  # the first pickle of a legacy torch.save file
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
 PROTOCOL_VERSION = 1001  # its second
 _MAX_INDEX = 1 << 63  # shapes, strides and offsets are int64 in torch
 _MAX_KEY_DEPTH = 100  # nesting of a tuple used as a dict key, as rendered in a name
@@ -632,7 +635,7 @@ class _Region:
         pass  # the file belongs to read_torch
 
 
-def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[str, str], list[Any]]:
+def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a torch.save file (or one at bytes [start, end) of a larger file).
 
     A view that is contiguous reads like any tensor (in chunks, by any worker); one with gaps, in another
@@ -640,8 +643,6 @@ def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[
     from its storage's bytes (`Pieces` of one strided piece). Names on one storage (tied weights) are
     separate tensors that know whom they share it with.
     """
-    from clipcli.checkpoint import TensorInfo
-
     if Path(path).suffix == ".distcp":  # torch.save archives one after another: only the whole directory reads
         raise FileTypeError(
             f"one file of a distributed checkpoint, which reads only as a whole: name its directory "
@@ -903,7 +904,9 @@ def _legacy_pickles(data: bytes, head: bytes) -> tuple[Any, _Storages, list[str]
     except MalformedError:
         magic, pos = None, 0
     if type(magic) is not int or magic != MAGIC_NUMBER:
-        what = sniff(head)
+        from clipcli.checkpoint.registry import describe  # here: only a file that is no torch.save needs it
+
+        what = describe(head)
         if what.startswith("a Python pickle"):
             what = "a Python pickle, not a torch.save file"
         raise FileTypeError(f"not a PyTorch file: {what}")
@@ -1091,3 +1094,52 @@ def _describe(name: str, t: _Tensor, big_endian: bool) -> TorchTensor:
         big_endian,
         skip,
     )
+
+
+# -- the format -------------------------------------------------------------------------------------
+
+# The records of a torch archive (torch.save or torch.jit.save), in its one folder; an .npz holds .npy files.
+_TORCH_RECORDS = ("data.pkl", "constants.pkl", "version")
+_ZIP = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def _sniff(head: bytes, path: Path | None = None) -> bool:
+    """A zip whose first record is torch's (or, `path` given, any record: torch.jit.save writes its storages
+    first), or a pickle of torch's legacy magic number."""
+    if head.startswith(_ZIP):
+        return _is_torch_record(first_zip_member(head)) or (path is not None and _has_torch_record(path))
+    return head[:1] in (b"\x80", b"L") and _starts_with_torch_magic(head)  # L: protocols 0 and 1 write a LONG
+
+
+def _has_torch_record(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(_is_torch_record(name) for name in z.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return False  # the reader says what is wrong with it
+
+
+def _is_torch_record(name: str) -> bool:
+    folder, _, record = name.partition("/")
+    return bool(folder) and (record in _TORCH_RECORDS or record.startswith("code/"))
+
+
+def _starts_with_torch_magic(head: bytes) -> bool:
+    """Whether the first pickle is torch's legacy magic number, in any pickle protocol."""
+    try:
+        value, _ = unpickle_at(head, 0, lambda module, name: None)
+    except ClipcliError:
+        return False
+    return type(value) is int and value == MAGIC_NUMBER
+
+
+def _describe_head(head: bytes) -> str | None:
+    if _sniff(head):
+        kind = "zip" if head.startswith(b"PK") else "legacy"
+        return f"a PyTorch {kind} checkpoint (name it .pt, .pth or .bin)"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a Python pickle; clipcli never unpickles"
+    return None
+
+
+FORMAT = Format("torch", (".pt", ".pth", ".bin", ".ckpt"), sniff=_sniff, describe=_describe_head, open_file=open_file)

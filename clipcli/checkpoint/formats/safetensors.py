@@ -14,10 +14,14 @@ from typing import Any, BinaryIO, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import MAX_COUNT, SAFETENSORS, UNKNOWN, Span, gc_paused, read_head, sniff, write_data
+from clipcli.checkpoint.atomic import write_data
+from clipcli.checkpoint.formats._common import gc_paused
+from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
+SAFETENSORS = "a safetensors file"
 _JSON_SPACE = b" \t\r\n"
 
 
@@ -172,10 +176,8 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     return metadata, entries
 
 
-def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
+def open_file(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a .safetensors file, from its header alone."""
-    from clipcli.checkpoint import TensorInfo
-
     with open(path, "rb") as f, gc_paused():
         metadata, entries = read_header(path, f, os.fstat(f.fileno()).st_size)
         file = str(path)
@@ -187,18 +189,23 @@ def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
 
 def write(
     f: BinaryIO,
-    tensors: list[Any],
+    tensors: list[TensorInfo],
     metadata: dict[str, str],
-    chunks: Callable[[Any], Iterable[np.ndarray]],
-    expect: Callable[[Any, int], None],
+    chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
+    expect: Callable[[TensorInfo, int], None],
 ) -> None:
     """Writes a header for the tensors, then their data in C order, in the order given."""
-    f.write(header_bytes([(t.name, dtype_of(t), t.shape, t.nbytes) for t in tensors], metadata))
+    f.write(header(tensors, metadata))
     for t in tensors:
         expect(t, write_data(f, chunks(t)))
 
 
-def dtype_of(t: Any) -> Dtype:
+def header(tensors: list[TensorInfo], metadata: dict[str, str]) -> bytes:
+    """The header of a file of these tensors, laid out in order."""
+    return header_bytes([(t.name, dtype_of(t), t.shape, t.nbytes) for t in tensors], metadata)
+
+
+def dtype_of(t: TensorInfo) -> Dtype:
     """The safetensors dtype of a tensor: of its array type, or by name for types carried as bytes.
 
     Raises:
@@ -218,8 +225,10 @@ def _short(e: Exception) -> str:
 
 def _not_safetensors(path: Path, reason: str) -> Exception:
     """A FileTypeError naming what the file really is, or a MalformedError when it is nothing else."""
-    what = sniff(read_head(path))
-    if what in (SAFETENSORS, UNKNOWN):
+    from clipcli.checkpoint import registry  # here: only a file that is no safetensors needs every format
+
+    what = registry.describe(registry.read_head(path))
+    if what in (SAFETENSORS, registry.UNKNOWN):
         return MalformedError(reason, path)
     return FileTypeError(f"not a safetensors file: {what}", path)
 
@@ -330,3 +339,26 @@ def dtype_for(array_dtype: np.dtype) -> Dtype:
     if d is None:
         raise UnsupportedError(f"safetensors has no dtype for {np.dtype(array_dtype).name}")
     return d
+
+
+def _sniff(head: bytes, path: Path | None = None) -> bool:
+    """A little-endian header length below 4 GiB, then a JSON object (after JSON whitespace)."""
+    return len(head) >= 9 and head[8:].lstrip(_JSON_SPACE)[:1] == b"{" and int.from_bytes(head[:8], "little") < 1 << 32
+
+
+def _describe_head(head: bytes) -> str | None:
+    return SAFETENSORS if _sniff(head) else None
+
+
+FORMAT = Format(
+    "safetensors",
+    (".safetensors",),
+    sniff=_sniff,
+    describe=_describe_head,
+    open_file=open_file,
+    write=write,
+    header=header,
+    check_tensor=dtype_of,
+    c_order=True,
+    layout_keys=frozenset({"format"}),
+)

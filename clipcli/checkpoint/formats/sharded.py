@@ -9,19 +9,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from clipcli.checkpoint import _safetensors
+from clipcli.checkpoint.formats import safetensors as _safetensors
+from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import InputError, MalformedError, MissingFileError
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # PyTorch shards' indexes, as transformers names them (pytorch_model.bin.index.json): read, never written
 TORCH_INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
 
-OpenFile = Callable[[Path], tuple[dict[str, str], list[Any]]]
+OpenFile = Callable[[Path], tuple[dict[str, str], list[TensorInfo]]]
 
 
 def open_index(
     path: Path, open_file: OpenFile = _safetensors.open_file
-) -> tuple[dict[str, str], list[Any], list[Path], dict[str, Any]]:
+) -> tuple[dict[str, str], list[TensorInfo], list[Path], dict[str, Any]]:
     """The metadata, tensors, shard files and index of a sharded checkpoint, from the index and headers.
 
     `open_file` reads a shard's metadata and tensors (safetensors' by default).
@@ -46,7 +48,7 @@ def open_index(
             raise MalformedError("the index maps a tensor to an empty shard name", path)
         if os.path.isabs(shard) or ".." in Path(shard).parts:
             raise MalformedError(f"shard path {shard!r} leaves the checkpoint's directory", path)
-    tensors: list[Any] = []
+    tensors: list[TensorInfo] = []
     metadata: dict[str, str] = {}
     for shard in shards:
         shard_path = path.parent / shard
@@ -83,7 +85,7 @@ def find_index(directory: Path, suffixes: tuple[str, ...] = (INDEX_SUFFIX,)) -> 
     return indexes[0] if indexes else None
 
 
-def open_directory(directory: Path) -> tuple[dict[str, str], list[Any], list[Path]]:
+def open_directory(directory: Path) -> tuple[dict[str, str], list[TensorInfo], list[Path]]:
     """Every `*.safetensors` of a directory without an index, in name order, as one checkpoint."""
     shards = sorted(p for p in directory.glob("*.safetensors") if not p.is_dir())
     if not shards:
@@ -94,7 +96,7 @@ def open_directory(directory: Path) -> tuple[dict[str, str], list[Any], list[Pat
             f"and no distributed checkpoint (.metadata); name a file in it{hint}",
             directory,
         )
-    tensors: list[Any] = []
+    tensors: list[TensorInfo] = []
     metadata: dict[str, str] = {}
     seen: set[str] = set()
     for shard in shards:
@@ -123,3 +125,44 @@ def write_index(f: BinaryIO, base: dict[str, Any] | None, weight_map: dict[str, 
     out["metadata"] = {**out.get("metadata", {}), "total_size": total_size}
     out["weight_map"] = weight_map
     f.write((json.dumps(out, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def open_path(path: Path) -> Opened:
+    """A directory of shards (through its index, if it has one) or an index of shards.
+
+    A safetensors index comes first (Hugging Face repositories often hold both kinds of the same weights),
+    then PyTorch shards' index, then loose .safetensors shards; never loose files over an index.
+    """
+    if not path.is_dir():
+        torch = path.name.endswith(TORCH_INDEX_SUFFIXES)
+        if torch:
+            from clipcli.checkpoint import registry  # here: PyTorch's reader only for PyTorch shards
+
+            opener = registry.get("torch").open_file
+            assert opener is not None
+        else:
+            opener = _safetensors.open_file
+        metadata, tensors, files, index = open_index(path, opener)
+        name, keys = ("sharded-torch", frozenset()) if torch else ("sharded", _safetensors.FORMAT.layout_keys)
+        return Opened(metadata, tensors, files, name, index, path, keys, sharded=True)
+    index = find_index(path) or find_index(path, TORCH_INDEX_SUFFIXES)
+    if index is not None and index.name.endswith(TORCH_INDEX_SUFFIXES):
+        loose = sorted(p.name for p in path.glob("*.safetensors"))
+        if loose:
+            raise InputError(
+                f"the directory holds {index.name} and {len(loose)} .safetensors file(s) without an index "
+                f"({', '.join(loose[:3])}{', ...' if len(loose) > 3 else ''}); name the index or a file",
+                path,
+            )
+    if index is None:
+        metadata, tensors, files = open_directory(path)
+        return Opened(metadata, tensors, files, "sharded", layout_keys=_safetensors.FORMAT.layout_keys, sharded=True)
+    return open_path(index)
+
+
+FORMAT = Format(
+    "sharded",
+    (INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES),
+    recognises=lambda directory: True,  # any directory: the last directory format asked
+    open=open_path,
+)

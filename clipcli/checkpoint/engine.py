@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from clipcli.checkpoint._files import Span
-from clipcli.core import BLOCK
+from clipcli.checkpoint.decode import as_values, decode, stored_type
+from clipcli.checkpoint.tensor import Span
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -58,7 +58,7 @@ class Reader(Protocol):
 
     def pread(self, t: Any, offset: int, buf: np.ndarray) -> None: ...
 
-    def chunks(self, t: Any, max_bytes: int = CHUNK_BYTES, align: int = 1) -> Iterator[np.ndarray]: ...
+    def chunks(self, t: Any, max_bytes: int = CHUNK_BYTES, align: int = 1, unit: int = 1) -> Iterator[np.ndarray]: ...
 
     def forget_handles(self) -> None: ...
 
@@ -104,7 +104,7 @@ def chunk_bytes(jobs: int) -> int:
     return max(_MIN_CHUNK, min(CHUNK_BYTES, BUFFER_BUDGET // max(jobs, 1)))
 
 
-def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[str, int]) -> list[_Task]:
+def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[str, int], unit: int) -> list[_Task]:
     tasks: list[_Task] = []
     run: list[int] = []  # small tensors lying one after another in one file
 
@@ -129,25 +129,25 @@ def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[s
             run.append(i)
             continue
         flush()
-        _, per_chunk = geometry(t, max_bytes, align.get(t.name, 1))
+        _, per_chunk = geometry(t, max_bytes, align.get(t.name, 1), unit)
         tasks += [_Task((i,), offset, n) for offset, n in spans(t.nbytes, per_chunk)]
     flush()
     return tasks
 
 
-def geometry(t: Any, max_bytes: int, align: int) -> tuple[np.dtype, int]:
+def geometry(t: Any, max_bytes: int, align: int, unit: int = 1) -> tuple[np.dtype, int]:
     """The dtype a tensor's bytes are read as, and the bytes in each chunk but the last.
 
     Chunks hold whole multiples of `align` elements (rows), at least one, whatever `max_bytes` says; and
-    whole blocks of the norms (BLOCK values) where the rows allow it within a few chunks' worth, so that
-    a worker never holds a block's parts waiting for the rest from another.
+    whole `unit`s (the caller's blocks: the norms' BLOCK values) where the rows allow it within a few chunks'
+    worth, so that a worker never holds a block's parts waiting for the rest from another.
     """
-    dtype = t.stored_dtype or t.array_dtype or np.dtype(np.uint8)
+    dtype = stored_type(t)
     if t.array_dtype is None:
         per_chunk = max(max_bytes, 1)
     else:
         align = max(align, 1)  # a row of a tensor with a zero-length dimension holds no values
-        unit = math.lcm(align, BLOCK)
+        unit = math.lcm(align, unit)
         if unit * dtype.itemsize > 4 * max_bytes:
             unit = align
         per_chunk = max(max_bytes // (dtype.itemsize * unit), 1) * unit * dtype.itemsize
@@ -160,12 +160,6 @@ def spans(total: int, per_chunk: int) -> Iterator[tuple[int, int]]:
         yield offset, min(per_chunk, total - offset)
 
 
-def as_values(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Bytes viewed as values of `dtype`, byte-swapped into native order if need be."""
-    values = raw.view(dtype)
-    return values if dtype.isnative else values.astype(dtype.newbyteorder("="))
-
-
 def run(
     reader: Reader,
     tensors: Sequence[Any],
@@ -174,8 +168,11 @@ def run(
     align: dict[str, int] | None = None,
     progress: Callable[[int], None] | None = None,
     kind: str | None = None,
+    unit: int = 1,
 ) -> list[Any]:
     """Runs a kernel over every chunk of `tensors` with `jobs` workers; returns each worker's `result()`.
+
+    Chunks hold whole multiples of `unit` elements where the rows allow (see `geometry`).
 
     Fewer workers than `jobs` run where the input is small, or where more would not fit the memory budget.
 
@@ -190,8 +187,8 @@ def run(
     total = sum(t.nbytes for t in tensors)
     jobs = max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
     max_bytes = chunk_bytes(jobs)
-    tasks = _tasks(reader, tensors, max_bytes, align)
-    work = _Worker(reader, tensors, tasks, make_kernel, max_bytes, align)
+    tasks = _tasks(reader, tensors, max_bytes, align, unit)
+    work = _Worker(reader, tensors, tasks, make_kernel, max_bytes, align, unit)
     return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
 
 
@@ -210,9 +207,10 @@ class _Worker:
         make_kernel: Callable[[], Any],
         max_bytes: int,
         align: dict[str, int],
+        unit: int = 1,
     ):
         self.reader, self.tensors, self.tasks = reader, tensors, tasks
-        self.make_kernel, self.max_bytes, self.align = make_kernel, max_bytes, align
+        self.make_kernel, self.max_bytes, self.align, self.unit = make_kernel, max_bytes, align, unit
         self.readers = [reader]
 
     def all(self, progress: Callable[[int], None]) -> Any:
@@ -243,7 +241,7 @@ class _Worker:
             t = self.tensors[task.tensors[0]]
             buf = buffers.get(task.nbytes)
             self.reader.pread(t, task.offset, buf)
-            kernel.chunk(t, task.offset, as_values(buf, t.stored_dtype or t.array_dtype or np.dtype(np.uint8)))
+            kernel.chunk(t, task.offset, decode(buf, t))
             progress(task.nbytes)
 
     def _batch(self, kernel: Kernel, ts: list[Any], progress: Callable[[int], None], buffers: _Buffers) -> None:
@@ -262,12 +260,12 @@ class _Worker:
         else:
             for t in ts:
                 at = t.location.offset - start
-                kernel.chunk(t, 0, as_values(buf[at : at + t.nbytes], t.stored_dtype or t.array_dtype))
+                kernel.chunk(t, 0, decode(buf[at : at + t.nbytes], t))
         progress(n)
 
     def _stream(self, kernel: Kernel, t: Any, progress: Callable[[int], None]) -> None:
         offset = 0
-        for values in self.reader.chunks(t, self.max_bytes, self.align.get(t.name, 1)):
+        for values in self.reader.chunks(t, self.max_bytes, self.align.get(t.name, 1), self.unit):
             kernel.chunk(t, offset, values)
             offset += values.nbytes
             progress(values.nbytes)
@@ -425,8 +423,8 @@ class _PairWorker(_Worker):
         """Both tensors streamed in chunks of the same element count (a multiple of the block)."""
         items = (_itemsize(a), _itemsize(b))
         n = max(self.max_bytes // max(items) // self.block, 1) * self.block
-        chunks_a = self.readers[0].chunks(a, n * items[0])
-        chunks_b = self.readers[1].chunks(b, n * items[1])
+        chunks_a = self.readers[0].chunks(a, n * items[0], unit=self.block)
+        chunks_b = self.readers[1].chunks(b, n * items[1], unit=self.block)
         start = 0
         for va, vb in zip(chunks_a, chunks_b, strict=True):
             kernel.pair(i, start, va, vb, _equal_values(va, vb))
@@ -464,15 +462,11 @@ def _itemsize(t: Any) -> int:
     return t.array_dtype.itemsize if t.array_dtype is not None else 1
 
 
-def _stored(t: Any) -> np.dtype:
-    return t.stored_dtype or t.array_dtype or np.dtype(np.uint8)
-
-
 def pair_values(a: Any, b: Any, raw_a: np.ndarray, raw_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     """The values of a pair's bytes read (of tensors `a` and `b`), and whether they are the same: the same
     dtype and bits."""
-    va, vb = as_values(raw_a, _stored(a)), as_values(raw_b, _stored(b))
-    return va, vb, _equal_bytes(raw_a, raw_b) if _stored(a) == _stored(b) else _equal_values(va, vb)
+    va, vb = decode(raw_a, a), decode(raw_b, b)
+    return va, vb, _equal_bytes(raw_a, raw_b) if stored_type(a) == stored_type(b) else _equal_values(va, vb)
 
 
 def _equal_values(x: np.ndarray, y: np.ndarray) -> bool:
@@ -712,6 +706,7 @@ def map_chunks(
     jobs: int = 1,
     max_bytes: int | None = None,
     align: dict[str, int] | None = None,
+    unit: int = 1,
 ) -> Iterator[tuple[Any, R]]:
     """`fn(tensor, offset, chunk)` for every chunk of every tensor, in order, computed by `jobs` threads.
 
@@ -727,14 +722,14 @@ def map_chunks(
     if jobs <= 1 or not all(reader.random_access(t) for t in tensors):
         for t in tensors:
             offset = 0
-            for chunk in reader.chunks(t, max_bytes, align.get(t.name, 1)):
+            for chunk in reader.chunks(t, max_bytes, align.get(t.name, 1), unit):
                 yield t, fn(t, offset, chunk)
                 offset += chunk.nbytes
         return
 
     def tasks() -> Iterator[tuple[Any, int, int, np.dtype]]:
         for t in tensors:
-            dtype, per_chunk = geometry(t, max_bytes, align.get(t.name, 1))
+            dtype, per_chunk = geometry(t, max_bytes, align.get(t.name, 1), unit)
             for offset, n in spans(t.nbytes, per_chunk):
                 yield t, offset, n, dtype
 

@@ -1,0 +1,64 @@
+"""What a format module provides: its `FORMAT` record, read by the registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
+
+import numpy as np
+
+from clipcli.checkpoint.tensor import TensorInfo
+
+Chunks = Callable[[TensorInfo], Iterable[np.ndarray]]
+Expect = Callable[[TensorInfo, int], None]
+
+
+class Opened(NamedTuple):
+    """What opening a checkpoint found, from its headers alone.
+
+    `files` are the files holding its data (None: the path opened); `format` is the name reports show (None:
+    the format's own); `index` and `index_path` are the index of shards it was opened through, if any;
+    `layout_keys` are the metadata keys that say how the files were written, not what they hold; `sharded`
+    says whether it is a checkpoint of several files by its kind (a directory or an index), however many.
+    """
+
+    metadata: dict[str, str]
+    tensors: list[TensorInfo]
+    files: list[Path] | None = None
+    format: str | None = None
+    index: dict[str, Any] | None = None
+    index_path: Path | None = None
+    layout_keys: frozenset[str] = frozenset()
+    sharded: bool = False
+
+
+@dataclass(frozen=True)
+class Format:
+    """A checkpoint format, as its module's `FORMAT` describes it to the registry.
+
+    A file format has `open_file` (a file's metadata and tensors, from its header); a directory format has
+    `recognises` (whether a directory is one of its checkpoints) and `open` (a directory or one of its own
+    files, such as an index, into `Opened`). `sniff` says whether a file's first bytes are the format's
+    (`path` given: the whole file may be looked at), `describe` names what such bytes are in a message about
+    a file that is not what its name says. A writable format has `write` (the tensors, in order, from their
+    chunks), and where its data can be written in any order once its header is, `header`; `check_tensor` and
+    `check_file` refuse, before anything is written, what it cannot hold (raising UnsupportedError).
+    `c_order` says it holds values in C order only; `layout_keys`, the metadata keys that say how a file was
+    written, not what it holds.
+    """
+
+    name: str
+    suffixes: tuple[str, ...] = ()
+    sniff: Callable[[bytes, Path | None], bool] | None = None
+    describe: Callable[[bytes], str | None] | None = None
+    open_file: Callable[[Path], tuple[dict[str, str], list[TensorInfo]]] | None = None
+    recognises: Callable[[Path], bool] | None = None
+    open: Callable[[Path], Opened] | None = None
+    write: Callable[[BinaryIO, list[TensorInfo], dict[str, str], Chunks, Expect], None] | None = None
+    header: Callable[[list[TensorInfo], dict[str, str]], bytes] | None = None
+    check_tensor: Callable[[TensorInfo], None] | None = None
+    check_file: Callable[[Path, list[TensorInfo], str, dict[str, str]], None] | None = None
+    c_order: bool = False
+    layout_keys: frozenset[str] = frozenset()

@@ -1,0 +1,483 @@
+"""Writing a checkpoint: the plan of files checked before anything is written, then each file atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shlex
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from clipcli.checkpoint import registry
+from clipcli.checkpoint.atomic import atomic_write, resolve_target
+from clipcli.checkpoint.engine import CHUNK_BYTES
+from clipcli.checkpoint.formats.sharded import INDEX_SUFFIX, TORCH_INDEX_SUFFIXES, write_index
+from clipcli.checkpoint.reader import Checkpoint
+from clipcli.checkpoint.tensor import TensorInfo
+from clipcli.errors import ClipcliError, UnsupportedError, UsageError, WriteError
+
+_MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are written one after another
+
+
+def output_kind(path: Path) -> str:
+    """The format a path names: a format's name, 'index', 'torch-index' or 'directory'."""
+    name = path.name
+    if name.endswith(INDEX_SUFFIX):
+        return "index"
+    if name.endswith(TORCH_INDEX_SUFFIXES):
+        return "torch-index"
+    return registry.named_by(name) or "directory"
+
+
+def check_output(
+    text: str | os.PathLike[str],
+    source: Checkpoint,
+    resharding: bool = False,
+    command: str = "clip",
+    param: str = "-o",
+) -> Path:
+    """The output path `-o` (or, in place, the input's own) names for `source`, refused before any work.
+
+    A file output names its format by its suffix; a directory output (for a sharded source, or when
+    `resharding`) is an existing directory, a path ending in a slash, or a name without a suffix.
+
+    Raises:
+        UsageError: for '-', an unknown suffix, a PyTorch file, PyTorch shards or a distributed checkpoint
+            (never written), an existing file that is no checkpoint file, or a directory output for a
+            source that is not sharded safetensors.
+    """
+    raw = os.fspath(text)
+    out = Path(raw)
+    hint = (
+        "give -o OUT.safetensors (or .npz) instead"
+        if param == "--in-place"
+        else "name a .safetensors, .npz or .npy file"
+    )
+    if raw == "-":
+        raise UsageError(f"clipcli writes files, not standard output; {hint}", raw, param)
+    if not raw:  # Path("") is the current directory, which a sharded output would fill
+        raise UsageError(f"an empty path names no file; {hint}", None, param)
+    kind = output_kind(out)
+    if not (kind in ("index", "directory") or (kind != "torch-index" and registry.writable(kind))) or (
+        out == source.path and (source.format == "distcp" or (source.format == "sharded-torch" and not resharding))
+    ):
+        raise UsageError(f"clipcli reads PyTorch files but does not write them; {hint}", raw, param)
+    if kind in ("index", "directory") and source.format == "sharded-torch" and not resharding:
+        shards = "clipcli convert --max-shard-size writes them as .safetensors shards"
+        raise UsageError(f"clipcli reads PyTorch shards but does not write them; {hint} ({shards})", raw, param)
+    if kind == "directory" and not (out == source.path and source.format == "sharded"):
+        if out.suffix and not raw.endswith(("/", os.sep)) and not out.is_dir():
+            raise UsageError(
+                f"unknown output format {out.suffix!r}; {hint} (or a directory for a sharded input)", raw, param
+            )
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"exists and is not a directory; {hint}", raw, param)
+        if source.format != "sharded" and not resharding:
+            more = " (or --max-shard-size)" if command == "convert" else ""
+            raise UsageError(f"a directory output needs a sharded input{more}; {hint}", raw, param)
+    return out
+
+
+def check_report(text: str | os.PathLike[str], source: Checkpoint, output: Path | None) -> Path:
+    """The path --report names, refused before any work when it is an input or the output, or cannot be written.
+
+    Raises:
+        WriteError: when writing the report there would replace a checkpoint, or its directory is missing or
+            not writable.
+    """
+    with _unreachable_as_write_error(text):
+        return _checked_report(text, source, output)
+
+
+def _checked_report(text: str | os.PathLike[str], source: Checkpoint, output: Path | None) -> Path:
+    report = resolve_target(Path(text))
+    taken = {resolve_target(f) for f in [*source.files, source.path, source.index_path] if f is not None}
+    if output is not None:
+        taken.add(resolve_target(output))
+    if report in taken or (output is not None and report.parent == resolve_target(output) and output.is_dir()):
+        raise WriteError("refusing to write the report over a checkpoint; name another file", text)
+    # Found now, not after the checkpoint is written: a report that cannot be written fails the command.
+    if report.is_dir():
+        raise WriteError("is a directory", text)
+    if not report.parent.is_dir():
+        raise WriteError(f"cannot write the report: no directory {report.parent}", text)
+    if not os.access(report.parent, os.W_OK | os.X_OK):
+        raise WriteError(f"cannot write the report: {report.parent} is not writable", text)
+    return Path(text)
+
+
+ChunkSource = Callable[[TensorInfo], Iterable[np.ndarray]]
+
+
+def save(
+    source: Checkpoint,
+    out: str | os.PathLike[str],
+    chunks: ChunkSource,
+    in_place: bool | None = False,
+    tensors: list[TensorInfo] | None = None,
+    max_shard: int | None = None,
+) -> list[Path]:
+    """Writes the tensors of `source` (or those given), as `chunks(info)` produces them, to `out`, in order.
+
+    The format follows `out`'s suffix (see `plan`). Each file is written atomically, an index last.
+    Returns the files written.
+
+    Raises:
+        UsageError: for a directory output of a source that is not sharded, without `max_shard`.
+        UnsupportedError: for a conversion that would lose information (checked before writing anything).
+        WriteError: when a file cannot be written, or would overwrite an input without `in_place`.
+    """
+    layout = check_plan(source, out, in_place, tensors, max_shard)
+    written = []
+    with _directory(layout):
+        for target, group in layout.files:
+            with atomic_write(target) as f:
+                fmt = registry.get(output_kind(target))
+                ordered = _c_order(chunks) if fmt.c_order else chunks
+                assert fmt.write is not None
+                fmt.write(f, group, source.metadata, ordered, _expect(target))
+            written.append(target)
+        return [*written, *_write_index(layout)]
+
+
+def _write_index(layout: Plan) -> list[Path]:
+    if layout.index is None:
+        return []
+    where = layout.index.parent
+    mapping = {t.name: target.relative_to(where).as_posix() for target, group in layout.files for t in group}
+    total = sum(t.nbytes for _, group in layout.files for t in group)
+    with atomic_write(layout.index) as f:
+        write_index(f, layout.index_base, mapping, total)
+    return [layout.index]
+
+
+class Place(NamedTuple):
+    """Where a tensor's bytes go in an output being written: file descriptor and offset of its first byte."""
+
+    fd: int
+    offset: int
+    path: str
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """Writes `data` (native bytes) at `offset` from the tensor's first byte; asks the disk to start on it.
+
+        Raises:
+            WriteError: when the disk refuses (full, an I/O error).
+        """
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        at = self.offset + offset
+        try:
+            while view:
+                n = os.pwrite(self.fd, view, at)
+                view, at = view[n:], at + n
+            if hasattr(os, "posix_fadvise"):  # only a hint: the fsync at the end still decides
+                os.posix_fadvise(self.fd, self.offset + offset, data.nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            raise WriteError(e.strerror or str(e), self.path) from e
+
+
+@contextlib.contextmanager
+def placed(
+    source: Checkpoint,
+    out: str | os.PathLike[str],
+    in_place: bool | None = False,
+    tensors: list[TensorInfo] | None = None,
+    max_shard: int | None = None,
+) -> Iterator[dict[str, Place] | None]:
+    """Opens the output's files (temporary ones) with their headers written and yields where each tensor's
+    bytes go, so that workers can write them in any order (`os.pwrite`); None when the output's format
+    needs them in order (an .npz; a Fortran-order tensor into .safetensors), or it has more files than
+    `_MAX_OPEN_OUTPUT`: then use `save`.
+
+    On a clean exit every file is fsynced and renamed over its target, the index of shards last; on an
+    error none is, and the temporary files are removed.
+
+    Raises:
+        UsageError, UnsupportedError, WriteError: as `save`.
+    """
+    layout = check_plan(source, out, in_place, tensors, max_shard)  # an index in the way fails before any shard
+    formats = [registry.get(output_kind(target)) for target, _ in layout.files]
+    in_c_order = [t for fmt, (_, group) in zip(formats, layout.files, strict=True) if fmt.c_order for t in group]
+    in_order = any(fmt.header is None for fmt in formats)  # (an .npz)
+    if in_order or any(t.fortran_order for t in in_c_order) or len(layout.files) > _MAX_OPEN_OUTPUT:
+        yield None  # (many shards: written one after another, holding one open instead of all of them)
+        return
+    places: dict[str, Place] = {}
+    with _directory(layout), contextlib.ExitStack() as files:
+        for fmt, (target, group) in zip(formats, layout.files, strict=True):
+            f = files.enter_context(atomic_write(target))
+            assert fmt.header is not None
+            f.write(fmt.header(group, source.metadata))
+            f.flush()
+            at = f.tell()
+            for t in group:
+                places[t.name] = Place(f.fileno(), at, str(target))
+                at += t.nbytes
+            f.truncate(at)  # the data's room (a sparse file until written)
+        yield places
+    _write_index(layout)
+
+
+def check_plan(
+    source: Checkpoint,
+    out: str | os.PathLike[str],
+    in_place: bool | None = False,
+    tensors: list[TensorInfo] | None = None,
+    max_shard: int | None = None,
+) -> Plan:
+    """`plan`, the refusal to write over an input unless `in_place`, and whether the files can be created
+    where they go: all that a write checks before it starts, for a dry run to refuse what the write would.
+
+    Raises:
+        UsageError, UnsupportedError: as `plan`; WriteError: for an output that is an input, a directory, or
+            in a directory that is missing (and not made by the write) or not writable.
+    """
+    with _unreachable_as_write_error(out):
+        return _checked_plan(source, out, in_place, tensors, max_shard)
+
+
+@contextlib.contextmanager
+def _unreachable_as_write_error(target: str | os.PathLike[str]) -> Iterator[None]:
+    """A place the checks cannot look into (a directory without search permission: `is_dir` raises) is a
+    write that would fail there (exit 4), not a bug."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(f"cannot write there: {e.strerror or e}", e.filename or target) from e
+
+
+def _checked_plan(
+    source: Checkpoint,
+    out: str | os.PathLike[str],
+    in_place: bool | None,
+    tensors: list[TensorInfo] | None,
+    max_shard: int | None,
+) -> Plan:
+    layout = plan(source, out, tensors, max_shard)
+    _refuse_overwrite(source, layout, in_place)
+    if layout.directory is not None and layout.directory.is_symlink() and not layout.directory.exists():
+        raise WriteError("cannot create the directory: File exists", layout.directory)  # a dangling link, as mkdir
+    for target in [f for f, _ in layout.files] + ([layout.index] if layout.index else []):
+        real = resolve_target(target)
+        if real.is_dir():
+            raise WriteError("is a directory", target)
+        where = real.parent
+        while layout.directory is not None and not where.exists() and where != where.parent:
+            where = where.parent  # a directory of shards is made, with its parents: the first that exists
+        problem = None
+        if not where.is_dir():
+            problem = "Not a directory" if where.exists() else "No such file or directory"
+        elif not os.access(where, os.W_OK | os.X_OK):
+            read_only = hasattr(os, "statvfs") and os.statvfs(where).f_flag & os.ST_RDONLY
+            problem = "Read-only file system" if read_only else "Permission denied"
+        if problem:
+            raise WriteError(f"cannot create a file in {where}: {problem}", target)
+    return layout
+
+
+def _refuse_overwrite(source: Checkpoint, layout: Plan, in_place: bool | None) -> None:
+    """Refuses to write over an input unless `in_place` (None: replacing the input is not offered)."""
+    inputs = {resolve_target(f) for f in [*source.files, source.path, source.index_path] if f is not None}
+    targets = [target for target, _ in layout.files] + ([layout.index] if layout.index else [])
+    hint = "write to another path" if in_place is None else "use --in-place to replace it"
+    for target in targets:
+        if resolve_target(target) in inputs and not in_place:
+            raise WriteError(f"refusing to overwrite the input ({hint})", target)
+
+
+@contextlib.contextmanager
+def _directory(layout: Plan) -> Iterator[None]:
+    """Makes the directory of shards and its shards' subdirectories where missing; removes those it made
+    again, if still empty, when the write fails."""
+    made: list[Path] = []
+    try:
+        if layout.directory is not None:
+            for d in dict.fromkeys([layout.directory, *(f.parent for f, _ in layout.files)]):
+                missing = []
+                while not d.exists() and d != d.parent:
+                    missing.append(d)
+                    d = d.parent
+                for d in reversed(missing):
+                    try:
+                        d.mkdir()
+                    except OSError as e:
+                        raise WriteError(f"cannot create the directory: {e.strerror or e}", d) from e
+                    made.append(d)
+        yield
+    except BaseException:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+class Plan(NamedTuple):
+    """What writing a checkpoint makes: data files, each with its tensors in order, then an index of shards.
+
+    `index_base` is the source's own index (kept, with its weight map and total size redone);
+    `directory`, the directory of shards, is made if missing.
+    """
+
+    files: list[tuple[Path, list[TensorInfo]]]
+    index: Path | None = None
+    index_base: dict[str, Any] | None = None
+    directory: Path | None = None
+
+
+def plan(
+    source: Checkpoint,
+    out: str | os.PathLike[str],
+    tensors: list[TensorInfo] | None = None,
+    max_shard: int | None = None,
+) -> Plan:
+    """The files that writing `tensors` (default: all) of `source` to `out` makes, checked before any is written.
+
+    A file output holds every tensor. A directory (or `*.safetensors.index.json`) output of a sharded
+    source keeps its shards and rewrites its index; with `max_shard` (bytes) any source is cut into
+    Hugging Face style shards `model-00001-of-0000N.safetensors` of at most that size (a larger tensor
+    gets a shard of its own) with an index `model.safetensors.index.json`.
+
+    Raises:
+        UsageError: for a directory output of a source that is not sharded, without `max_shard`.
+        UnsupportedError: for a tensor the output's format cannot hold.
+    """
+    out = Path(out)
+    kind = output_kind(out)
+    tensors = source.tensors if tensors is None else tensors
+    if kind in ("directory", "index"):
+        directory = out.parent if kind == "index" else out
+        if max_shard is not None:
+            layout = _reshard(tensors, directory, out if kind == "index" else None, max_shard, source.index)
+        elif source.format == "sharded":
+            groups: dict[str, list[TensorInfo]] = {}
+            for t in tensors:
+                groups.setdefault(t.file, []).append(t)
+            files = [(directory / name, groups.get(str(f), [])) for f, name in _shard_names(source)]
+            index = None
+            if source.index_path is not None:
+                index = out if kind == "index" else directory / source.index_path.name
+            layout = Plan([(target, group) for target, group in files if group], index, source.index, directory)
+        else:
+            raise UsageError("a directory output needs a sharded input; name a .safetensors, .npz or .npy file", out)
+    elif max_shard is not None:
+        message = "writes shards: name a directory (or a *.safetensors.index.json)"
+        raise UsageError(message, out, "--max-shard-size")
+    else:
+        layout = Plan([(out, tensors)])
+    _check_no_stale_shards(layout, source.index_path if source.format == "sharded-torch" else None)
+    for target, group in layout.files:
+        _check_format(target, group, source)
+    return layout
+
+
+def _shard_names(source: Checkpoint) -> list[tuple[Path, Path]]:
+    """Each shard of a sharded source with its path relative to the index's directory (`a/model.safetensors`):
+    shards of one name in different subdirectories stay apart in the output. The index reader refuses
+    shard paths that leave its directory, so each is below it."""
+    base = source.path if source.index_path is None else source.index_path.parent
+    return [(f, f.relative_to(base)) for f in source.files]
+
+
+def _check_no_stale_shards(layout: Plan, source_index: Path | None = None) -> None:
+    """Refuses a directory output that holds other shards or indexes than those the write makes: left
+    beside the new ones, they would make the directory a different (or an unreadable) checkpoint.
+
+    Raises:
+        WriteError: naming a few of them.
+    """
+    if layout.directory is None or not layout.directory.is_dir():
+        return
+    made = {resolve_target(f) for f, _ in layout.files} | ({resolve_target(layout.index)} if layout.index else set())
+    if source_index is not None:  # PyTorch shards converted beside themselves: the new index is read first
+        made.add(resolve_target(source_index))
+    directories = dict.fromkeys([layout.directory, *(f.parent for f, _ in layout.files)])  # shards' subdirectories
+    stale = sorted(
+        p.relative_to(layout.directory).as_posix()
+        for d in directories
+        if d.is_dir()
+        for p in d.iterdir()
+        if p.name.endswith((".safetensors", INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES)) and resolve_target(p) not in made
+    )
+    if stale:
+        listed = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        raise WriteError(
+            f"the directory holds {listed}, which this write would leave beside its own shards; "
+            "remove them or name an empty directory",
+            layout.directory,
+        )
+
+
+def _reshard(
+    tensors: list[TensorInfo], directory: Path, index: Path | None, max_shard: int, base: dict[str, Any] | None
+) -> Plan:
+    """Tensors in order, a new shard started when the next would pass `max_shard` bytes."""
+    groups: list[list[TensorInfo]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    prefix = "model" if index is None else index.name[: -len(INDEX_SUFFIX)]
+    n = len(groups)
+    files = [(directory / f"{prefix}-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
+    return Plan(files, index or directory / f"{prefix}{INDEX_SUFFIX}", base, directory)
+
+
+def _check_format(target: Path, tensors: list[TensorInfo], source: Checkpoint) -> None:
+    """Refuses, before anything is written, a tensor (or metadata) the target's format cannot hold without loss."""
+    fmt = registry.get(output_kind(target))
+    for t in tensors:
+        if t.skip is not None:
+            hint = f"clipcli convert with --exclude {shlex.quote(t.name)} writes the other tensors"
+            raise UnsupportedError(f"clipcli cannot write this tensor's values: {t.skip}; {hint}", target, t.name)
+        if fmt.check_tensor is not None:
+            try:
+                fmt.check_tensor(t)
+            except UnsupportedError as e:
+                raise UnsupportedError(e.message, target, t.name) from e
+    if fmt.check_file is not None:
+        fmt.check_file(target, tensors, source.format, source.metadata)
+
+
+def _c_order(chunks: ChunkSource) -> ChunkSource:
+    """Chunks in C order. A Fortran-order tensor with at most one dimension past 1 has the same bytes in
+    either order; any other is transposed (`_transposed`)."""
+
+    def in_c_order(t: TensorInfo) -> Iterable[np.ndarray]:
+        if not t.fortran_order or t.size == 0 or sum(n > 1 for n in t.shape) <= 1:
+            return chunks(t)
+        return _transposed(t, chunks(t))
+
+    return in_c_order
+
+
+def _transposed(t: TensorInfo, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """A Fortran-order tensor's chunks in C order: read into one array (a compressed member comes in
+    Fortran order only), then given out a block of C-order rows at a time, so it is held once, not twice."""
+    whole = np.empty(t.size, t.array_dtype if t.array_dtype is not None else np.uint8)
+    at = 0
+    for c in chunks:
+        whole[at : at + c.size] = c
+        at += c.size
+    shape = [n for n in t.shape if n != 1]  # NumPy holds at most 64 dimensions; ones change neither order
+    view = whole.reshape(shape, order="F")
+    # blocks of about CHUNK_BYTES: rows of axis k with the axes after it whole, for each index of those before
+    k = next(k for k in range(len(shape)) if math.prod(shape[k + 1 :]) * whole.itemsize <= CHUNK_BYTES)
+    rows = max(1, CHUNK_BYTES // (math.prod(shape[k + 1 :]) * whole.itemsize))
+    for lead in np.ndindex(*shape[:k]):
+        for i in range(0, shape[k], rows):
+            yield np.ascontiguousarray(view[lead][i : i + rows]).reshape(-1)
+
+
+def _expect(target: Path) -> Callable[[TensorInfo, int], None]:
+    def expect(t: TensorInfo, written: int) -> None:
+        if written != t.nbytes:
+            raise ClipcliError(f"wrote {written} bytes of the tensor, expected {t.nbytes}", target, t.name)
+
+    return expect

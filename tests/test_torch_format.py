@@ -1025,6 +1025,7 @@ def test_the_parsers_import_no_torch() -> None:
                     "clipcli.checkpoint.plugin",  # the FORMAT record
                     "clipcli.checkpoint.registry",  # what a file that is no torch.save file is, for a message
                     "clipcli.checkpoint.zipmember",
+                    "clipcli.checkpoint.source",  # the store it reads through
                     "clipcli.errors",
                     "clipcli.checkpoint.formats._pickle",
                     "clipcli.checkpoint.formats._common",

@@ -9,6 +9,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
+from clipcli.checkpoint.source import Store
 from clipcli.checkpoint.tensor import TensorInfo
 
 Chunks = Callable[[TensorInfo], Iterable[np.ndarray]]
@@ -38,10 +39,11 @@ class Opened(NamedTuple):
 class Format:
     """A checkpoint format, as its module's `FORMAT` describes it to the registry.
 
-    A file format has `open_file` (a file's metadata and tensors, from its header); a directory format has
-    `recognises` (whether a directory is one of its checkpoints) and `open` (a directory or one of its own
-    files, such as an index, into `Opened`). `sniff` says whether a file's first bytes are the format's
-    (`path` given: the whole file may be looked at), `describe` names what such bytes are in a message about
+    Every file is read through the `Store` given (`source.py`), never opened by name. A file format has
+    `open_file` (a file's metadata and tensors, from its header); a directory format has `recognises` (whether
+    a directory is one of its checkpoints) and `open` (a directory or one of its own files, such as an index,
+    into `Opened`). `sniff` says whether a file's first bytes are the format's (the open file given: it may
+    look further), `describe` names what such bytes are in a message about
     a file that is not what its name says. A writable format has `write` (the tensors, in order, from their
     chunks), and where its data can be written in any order once its header is, `header`; `check_tensor` and
     `check_file` refuse, before anything is written, what it cannot hold (raising UnsupportedError).
@@ -51,11 +53,11 @@ class Format:
 
     name: str
     suffixes: tuple[str, ...] = ()
-    sniff: Callable[[bytes, Path | None], bool] | None = None
+    sniff: Callable[[bytes, BinaryIO | None], bool] | None = None
     describe: Callable[[bytes], str | None] | None = None
-    open_file: Callable[[Path], tuple[dict[str, str], list[TensorInfo]]] | None = None
-    recognises: Callable[[Path], bool] | None = None
-    open: Callable[[Path], Opened] | None = None
+    open_file: Callable[[Path, Store], tuple[dict[str, str], list[TensorInfo]]] | None = None
+    recognises: Callable[[Path, Store], bool] | None = None
+    open: Callable[[Path, Store], Opened] | None = None
     write: Callable[[BinaryIO, list[TensorInfo], dict[str, str], Chunks, Expect], None] | None = None
     header: Callable[[list[TensorInfo], dict[str, str]], bytes] | None = None
     check_tensor: Callable[[TensorInfo], None] | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
@@ -14,6 +13,7 @@ from clipcli.checkpoint import engine, registry
 from clipcli.checkpoint.crc import Log, ReadLog
 from clipcli.checkpoint.decode import decode
 from clipcli.checkpoint.engine import CHUNK_BYTES, geometry, spans
+from clipcli.checkpoint.source import LocalStore, Store
 from clipcli.checkpoint.tensor import Copy, Pieces, Span, TensorInfo, ZipMember
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
 
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 MAX_NUMPY_DIMS = 64  # the most dimensions a NumPy array has; a tensor may have more
-_MAX_OPEN = 16  # files a checkpoint holds open to read at once (macOS allows a process 256; a diff reads two)
 
 
 class Checkpoint:
@@ -42,6 +41,7 @@ class Checkpoint:
         index_path: Path | None = None,
         layout_keys: frozenset[str] = frozenset(),
         sharded: bool = False,
+        store: Store | None = None,
     ):
         self.path = path
         self.index_path = index_path
@@ -52,10 +52,9 @@ class Checkpoint:
         self.index = index
         self.layout_keys = layout_keys  # metadata keys that say how the files were written, not what they hold
         self.sharded = sharded  # a checkpoint of several files by its kind (a directory or an index)
-        self._handles: dict[str, list[Any]] = {}  # file -> [its handle, the reads using it now]; oldest first
-        self._zips: dict[str, zipfile.ZipFile] = {}
+        self.store = LocalStore() if store is None else store  # its files (a local store keeps some open)
+        self._zips: dict[str, tuple[zipfile.ZipFile, BinaryIO]] = {}
         self._crcs = ReadLog()
-        self._lock = threading.Lock()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -64,11 +63,10 @@ class Checkpoint:
         self.close()
 
     def close(self) -> None:
-        for f, _ in self._handles.values():
-            f.close()
-        for z in self._zips.values():
+        self.store.close()
+        for z, f in self._zips.values():
             z.close()
-        self._handles.clear()
+            f.close()
         self._zips.clear()
 
     def random_access(self, t: TensorInfo) -> bool:
@@ -169,19 +167,21 @@ class Checkpoint:
                 del held[k]
 
     def _read_at(self, file: str, at: int, view: memoryview, t: Any) -> None:
-        fd = self._acquire(file)
+        try:
+            source = self.store.source(file)
+        except OSError as e:
+            raise MissingFileError(e.strerror or str(e), file) from e
         got = 0
         try:
             while got < len(view):
-                k = os.preadv(fd, [view[got:]], at + got)
+                k = source.read_into(at + got, view[got:])
                 if not k:
                     raise MalformedError("the file ends before the tensor's data does", file, t.name)
                 got += k
         except OSError as e:
             raise InputError(f"cannot read: {e.strerror or e}", file, t.name) from e
         finally:
-            with self._lock:
-                self._handles[file][1] -= 1
+            self.store.release(source)
 
     def check(self, t: TensorInfo, data: np.ndarray) -> None:
         """Checks a tensor's bytes read whole in a larger read: a stored zip member's CRC-32.
@@ -208,28 +208,6 @@ class Checkpoint:
         """In a forked worker: opens its own streams (their file positions are not to be shared)."""
         self._zips = {}
         self._crcs = ReadLog()
-
-    def _acquire(self, file: str) -> int:
-        """The descriptor of an open file, counted as in use until the read releases it (`_read_at`).
-
-        At most `_MAX_OPEN` files stay open: the least recently used that no read is using are closed
-        first, so a checkpoint of hundreds of shards (or two in a diff) stays within `ulimit -n`.
-        """
-        with self._lock:
-            entry = self._handles.pop(file, None)  # put back last: the most recently used
-            if entry is None:
-                if len(self._handles) >= _MAX_OPEN:
-                    for name, (f, users) in list(self._handles.items()):
-                        if not users and len(self._handles) >= _MAX_OPEN // 2:
-                            f.close()
-                            del self._handles[name]
-                try:
-                    entry = [open(file, "rb", buffering=0), 0]  # noqa: SIM115 (closed here or in close())
-                except OSError as e:
-                    raise MissingFileError(e.strerror or str(e), file) from e
-            entry[1] += 1
-            self._handles[file] = entry
-            return entry[0].fileno()
 
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor as an array of its shape in C order (for small tensors and tests).
@@ -259,11 +237,17 @@ class Checkpoint:
 
         loc = info.location
         assert isinstance(loc, ZipMember)
-        z = self._zips.get(info.file)
-        if z is None:
-            z = self._zips[info.file] = zipfile.ZipFile(info.file)
+        path = Path(info.file)
+        if info.file not in self._zips:
+            f = self.store.open(path)
+            try:
+                self._zips[info.file] = (zipfile.ZipFile(f), f)
+            except BaseException:
+                f.close()
+                raise
+        z, _ = self._zips[info.file]
         try:
-            return zipmember.open_member(z, loc)
+            return zipmember.open_member(self.store, path, z, loc)
         except zipmember.DATA_ERRORS as e:
             raise MalformedError(f"corrupt zip member ({_one_line(e)})", info.file, info.name) from e
 
@@ -296,11 +280,11 @@ def _read_exactly(stream: BinaryIO, view: memoryview, info: TensorInfo) -> None:
         raise InputError(f"cannot read: {e.strerror or e}", info.file, info.name) from e
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) -> Checkpoint:
     """Opens a checkpoint (a file, a sharded index or a directory), reading headers only.
 
     The suffix names the format; a file whose name has none that clipcli knows is read as what its first
-    bytes show it is.
+    bytes show it is. `store` is where its files are read from (by default the file system).
 
     Raises:
         MissingFileError, FileTypeError, MalformedError, UnsupportedError: as the input deserves.
@@ -308,15 +292,17 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = Path(path)
     if os.fspath(path) == "-":
         raise FileTypeError("clipcli reads checkpoints from files, not from standard input; save it to a file", path)
+    store = LocalStore() if store is None else store
     try:
-        if not path.exists():
+        kind = store.kind(path)
+        if kind is None:
             raise MissingFileError("no such file or directory", path)
-        if not (path.is_dir() or path.is_file()):
+        if kind == "other":
             raise FileTypeError(
                 "not a regular file (a pipe or a device?): clipcli reads checkpoints in place; save it to a file first",
                 path,
             )
-        return _checked_text(_open(path))
+        return _checked_text(_open(path, store))
     except ClipcliError as e:
         if e.path is None:
             e.path = str(path)
@@ -325,14 +311,14 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise InputError(f"cannot read: {e.strerror or e}", e.filename or path) from e
 
 
-def _open(path: Path) -> Checkpoint:
+def _open(path: Path, store: Store) -> Checkpoint:
     """`open_checkpoint` of an existing path, by the format the registry finds for it."""
-    opened = registry.open_path(path)
+    opened = registry.open_path(path, store)
     files = [path] if opened.files is None else opened.files
     fmt = opened.format or ""
     return Checkpoint(
         path, fmt, opened.metadata, opened.tensors, files, opened.index, opened.index_path, opened.layout_keys,
-        opened.sharded,
+        opened.sharded, store,
     )  # fmt: skip
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import BinaryIO
 
+from clipcli.checkpoint import source
 from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.errors import FileTypeError
 
 # A format is a module under formats/ and a line here: its name, module and the suffixes that name it. In
@@ -63,23 +66,24 @@ def named_by(filename: str) -> str | None:
     return None
 
 
-def sniff(head: bytes, path: Path | None = None) -> str | None:
-    """The format the first bytes of a file show, if any (`path` given: the format may look further)."""
+def sniff(head: bytes, f: BinaryIO | None = None) -> str | None:
+    """The format the first bytes of a file show, if any (the file `f` given: the format may look further)."""
     for name in _MODULES:
         fmt = get(name)
-        if fmt.sniff is not None and fmt.sniff(head, path):
+        if fmt.sniff is not None and fmt.sniff(head, f):
             return name
     return None
 
 
-def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(n)
+def read_head(path: Path, store: Store = LOCAL) -> bytes:
+    """The first bytes of a file, enough to tell its format."""
+    return source.read_head(store, path, HEAD_BYTES)
 
 
-def file_format(path: Path) -> str | None:
+def file_format(path: Path, store: Store = LOCAL) -> str | None:
     """The format of a file by what it holds, whatever its name."""
-    return sniff(read_head(path), path)
+    with store.open(path) as f:
+        return sniff(f.read(HEAD_BYTES), f)
 
 
 def describe(head: bytes) -> str:
@@ -121,33 +125,33 @@ def _is_text(head: bytes) -> bool:
     return all(c.isprintable() or c in "\t\n\r\f" for c in text)
 
 
-def open_path(path: Path) -> Opened:
+def open_path(path: Path, store: Store = LOCAL) -> Opened:
     """The checkpoint at an existing path: a directory by the first directory format that recognises it, a
     file by its suffix or, without one clipcli knows, by its first bytes.
 
     Raises:
         FileTypeError: for a file of no known format; what the format's reader raises.
     """
-    if path.is_dir():
+    if store.kind(path) == "directory":
         for name in _DIRECTORIES:
             fmt = get(name)
-            if fmt.recognises is not None and fmt.open is not None and fmt.recognises(path):
-                return fmt.open(path)
+            if fmt.recognises is not None and fmt.open is not None and fmt.recognises(path, store):
+                return fmt.open(path, store)
     name = named_by(path.name)
     if name is None:  # no suffix clipcli knows: the first bytes tell
-        name = file_format(path)
+        name = file_format(path, store)
         if name is None or get(name).open_file is None:
             raise FileTypeError(
                 "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "
                 f".pth, .bin, .ckpt or pytorch_model.bin.index.json, or a directory); the file is "
-                f"{describe(read_head(path))}",
+                f"{describe(read_head(path, store))}",
                 path,
             )
     fmt = get(name)
     if fmt.open is not None:
-        return fmt.open(path)
+        return fmt.open(path, store)
     assert fmt.open_file is not None
-    metadata, tensors = fmt.open_file(path)
+    metadata, tensors = fmt.open_file(path, store)
     return Opened(metadata, tensors, [path], fmt.name, layout_keys=fmt.layout_keys)
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import bz2
 import io
 import lzma
-import os
 import struct
 import zipfile
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, BinaryIO
 
+from clipcli.checkpoint.source import Store, pread_of
 from clipcli.checkpoint.tensor import ZipMember
 from clipcli.errors import MalformedError, UnsupportedError
 
@@ -39,7 +40,8 @@ class MemberStream(io.RawIOBase):
     zipfile's own reader gives a bzip2 or LZMA decompressor each 4 KiB read whole, and a few KiB of bzip2 or
     LZMA can expand to gigabytes; here every decompressor is asked for at most what the caller's buffer
     holds, and never past the size the zip directory declares. Damage comes as zipfile.BadZipFile.
-    `raw` is the archive, read with `pread` (its position is left alone), and closed with the stream if `own`.
+    `raw` is the archive (a file object a store opened), read by position (its position is left alone), and
+    closed with the stream if `own`.
     """
 
     _READ = 1 << 16  # compressed bytes read at a time
@@ -47,7 +49,7 @@ class MemberStream(io.RawIOBase):
     def __init__(self, raw: BinaryIO, member: zipfile.ZipInfo, start: int, own: bool = False):
         super().__init__()
         self._raw, self._own = raw, own
-        self._fd, self._at, self._end = raw.fileno(), start, start + member.compress_size
+        self._pread, self._at, self._end = pread_of(raw), start, start + member.compress_size
         self._left = member.file_size  # decompressed bytes still to come
         self._crc, self._expected = 0, member.CRC
         self._decompressor = _decompressor(member.compress_type, self._take)
@@ -88,7 +90,7 @@ class MemberStream(io.RawIOBase):
 
     def _take(self, n: int) -> bytes:
         """The next compressed bytes (at most `n`)."""
-        data = os.pread(self._fd, min(n, self._end - self._at), self._at)
+        data = self._pread(self._at, min(n, self._end - self._at))
         if not data:
             raise zipfile.BadZipFile("the member's compressed data is truncated")
         self._at += len(data)
@@ -165,10 +167,10 @@ def _lzma_decompressor(take: Callable[[int], bytes]) -> lzma.LZMADecompressor:
     return lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[lzma1])
 
 
-def open_member(z: zipfile.ZipFile, location: ZipMember) -> BinaryIO:
-    """A compressed member's stream (with its own descriptor), positioned at the tensor's data."""
+def open_member(store: Store, path: Path, z: zipfile.ZipFile, location: ZipMember) -> BinaryIO:
+    """A compressed member's stream (with a file object of its own), positioned at the tensor's data."""
     member = z.getinfo(location.member)
-    raw = open(z.filename or "", "rb")  # noqa: SIM115 (closed with the stream)
+    raw = store.open(path)
     try:
         start = data_start(raw, member)
         stream = MemberStream(raw, member, start, own=True)

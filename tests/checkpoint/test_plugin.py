@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from clipcli.checkpoint import Format, TensorInfo, register
 from clipcli.checkpoint.registry import unregister
+from clipcli.checkpoint.source import Store
 from clipcli.checkpoint.tensor import Span
 from clipcli.cli import app
 
@@ -20,9 +21,10 @@ ENV = {"NO_COLOR": "1", "COLUMNS": "100", "TERMINAL_WIDTH": "100"}
 MAGIC = b"CLIPRAW1\n"
 
 
-def open_raw(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
+def open_raw(path: Path, store: Store) -> tuple[dict[str, str], list[TensorInfo]]:
     """A raw file: a magic line, a line `name dtype dims` for each tensor, `end`, then their bytes in order."""
-    data = path.read_bytes()
+    with store.open(path) as f:  # every byte through the store, as the formats read them
+        data = f.read()
     lines = data.split(b"\n")
     assert lines[0] + b"\n" == MAGIC
     tensors, offset = [], len(MAGIC)
@@ -43,7 +45,7 @@ def open_raw(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
 RAW = Format(
     "raw",
     (".raw",),
-    sniff=lambda head, path=None: head.startswith(MAGIC),
+    sniff=lambda head, f=None: head.startswith(MAGIC),
     describe=lambda head: "a raw file" if head.startswith(MAGIC) else None,
     open_file=open_raw,
 )

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -59,6 +57,7 @@ from clipcli.checkpoint.formats.torch import (
     view_byte_range,
 )
 from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Piece, Pieces, TensorInfo, check_elements
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
 
@@ -103,10 +102,10 @@ class DcpTensor:
     skip_reason: str | None
 
 
-def open_directory(directory: Path) -> tuple[dict[str, str], list[TensorInfo]]:
+def open_directory(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a distributed checkpoint, each tensor read in its own C order from its
     chunks (`Pieces`), never consolidated."""
-    metadata, tensors = read_dcp(directory)
+    metadata, tensors = read_dcp(directory, store)
     out = []
     for t in tensors:
         first = str(t.chunks[0].file) if t.chunks else str(directory)
@@ -128,7 +127,7 @@ def _piece(c: DcpChunk) -> Piece:
     return Piece(c.offsets, c.sizes, str(c.file), start, strides)
 
 
-def is_dcp(directory: Path) -> bool:
+def is_dcp(directory: Path, store: Store = LOCAL) -> bool:
     """Whether `directory` holds a `.metadata` file that looks like a distributed checkpoint's.
 
     Only the file's first bytes are read: a pickle (protocol 2 to 5) that names DCP's or Megatron's
@@ -136,16 +135,16 @@ def is_dcp(directory: Path) -> bool:
     """
     path = Path(directory) / METADATA
     try:
-        if not path.is_file():
+        if store.kind(path) != "file":
             return False
-        with open(path, "rb") as f:
+        with store.open(path) as f:
             head = f.read(1024)
     except OSError:
         return False
     return len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and any(s in head for s in _SIGNATURES)
 
 
-def read_dcp(directory: Path) -> tuple[dict[str, str], list[DcpTensor]]:
+def read_dcp(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[DcpTensor]]:
     """The non-tensor items (as metadata) and the tensors of a distributed checkpoint, checked.
 
     Reads `.metadata` and, for every chunk and item, the torch.save file's directory and pickle; never
@@ -154,6 +153,7 @@ def read_dcp(directory: Path) -> tuple[dict[str, str], list[DcpTensor]]:
 
     Args:
         directory: the checkpoint's directory (the one holding `.metadata`).
+        store: where its files are (by default the file system).
 
     Returns:
         The non-tensor items by name, rendered as text, and the tensors in the order of `.metadata`.
@@ -167,11 +167,11 @@ def read_dcp(directory: Path) -> tuple[dict[str, str], list[DcpTensor]]:
     """
     directory = Path(directory)
     where = directory / METADATA
-    root = _read_metadata(where)
+    root = _read_metadata(where, store)
     try:
         _check_version(root)
         items = _state_dict_items(root)
-        files = _Files(directory, _locations(root), where)
+        files = _Files(directory, _locations(root), where, store)
     except ClipcliError as e:
         e.path = e.path or str(where)
         raise
@@ -326,11 +326,11 @@ def _resolve(module: str, name: str) -> Any:
 # -- .metadata ---------------------------------------------------------------------------------------
 
 
-def _read_metadata(where: Path) -> _Object:
+def _read_metadata(where: Path, store: Store) -> _Object:
     """The unpickled `.metadata`: DCP's Metadata (or Megatron's subclass)."""
     try:
-        with open(where, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with store.open(where) as f:
+            size = size_of(f)
             if size > MAX_PICKLE:
                 raise MalformedError(f"{size} bytes of metadata, more than clipcli reads ({MAX_PICKLE})", where)
             data = f.read(size + 1)
@@ -441,8 +441,9 @@ def _what(offsets: tuple[int, ...] | None) -> str:
 class _Files:
     """The bytes `storage_data` points at: files checked once each, byte ranges read once each."""
 
-    def __init__(self, directory: Path, locations: _Locations, where: Path):
+    def __init__(self, directory: Path, locations: _Locations, where: Path, store: Store):
         self.directory = directory
+        self.store = store
         self.locations = locations
         self.where = where  # .metadata, for messages about what it says
         self.root: Path | None = None
@@ -513,9 +514,9 @@ class _Files:
         key = (str(path), start, end)
         if key not in self.read:
             if offsets is not None:
-                _refuse_safetensors(path, start, fqn, offsets)
+                _refuse_safetensors(self.store, path, start, fqn, offsets)
             try:
-                self.read[key] = (fqn, *read_torch(path, start, end, fqn))
+                self.read[key] = (fqn, *read_torch(path, start, end, fqn, self.store))
             except ClipcliError as e:
                 # a chunk's messages name its tensor; an item's name the entry inside it, if any
                 tensor = fqn if offsets is not None or e.tensor is None else e.tensor
@@ -546,19 +547,20 @@ class _Files:
             )
         path = self.directory / relative
         try:
-            st = os.stat(path)
+            size = self.store.size(path)  # raises as the file system says
+            kind = self.store.kind(path)
             if self.root is None:
-                self.root = self.directory.resolve()
-            real = path.resolve()
+                self.root = self.store.real(self.directory)
+            real = self.store.real(path)
         except FileNotFoundError as e:
             raise MissingFileError(f"{relative}, which {METADATA} lists, does not exist", self.directory, fqn) from e
         except OSError as e:
             raise InputError(f"cannot read {relative}: {e.strerror or e}", self.directory, fqn) from e
-        if not stat.S_ISREG(st.st_mode):
+        if kind != "file":
             raise MalformedError(f"{relative}, which {METADATA} lists, is not a regular file", self.directory, fqn)
         if not real.is_relative_to(self.root):
             raise MalformedError(f"{relative} leads outside the checkpoint's directory", self.directory, fqn)
-        self.files[relative] = (path, st.st_size)
+        self.files[relative] = (path, size)
         return self.files[relative]
 
 
@@ -574,10 +576,10 @@ def _renamed(
     return {rename(k): v for k, v in metadata.items()}, renamed
 
 
-def _refuse_safetensors(path: Path, start: int, fqn: str, offsets: tuple[int, ...]) -> None:
+def _refuse_safetensors(store: Store, path: Path, start: int, fqn: str, offsets: tuple[int, ...]) -> None:
     """Refuses a chunk written in DCP's safetensors format (raw bytes after a safetensors header)."""
     try:
-        with open(path, "rb") as f:
+        with store.open(path) as f:
             f.seek(start)
             head = f.read(9)
     except OSError as e:
@@ -736,8 +738,8 @@ def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
     return "the chunks overlap"
 
 
-def _open(directory: Path) -> Opened:
-    metadata, tensors = open_directory(directory)
+def _open(directory: Path, store: Store = LOCAL) -> Opened:
+    metadata, tensors = open_directory(directory, store)
     return Opened(metadata, tensors, sorted({Path(t.file) for t in tensors}), "distcp", sharded=True)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import io
 import math
-import os
 import re
 import struct
 import tokenize
@@ -18,6 +17,7 @@ import numpy as np
 from clipcli.checkpoint.atomic import write_data
 from clipcli.checkpoint.formats._common import shown
 from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
@@ -49,16 +49,17 @@ class NpyHeader(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def open_file(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
+def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
     """The one tensor of a .npy file, named after the file's stem."""
-    with open(path, "rb") as f:
+    with store.open(path) as f:
         if f.read(6) != MAGIC:
             from clipcli.checkpoint import registry  # here: only a file that is no .npy needs every format
 
-            raise FileTypeError(f"not a .npy file: {registry.describe(registry.read_head(path))}", path)
+            f.seek(0)
+            raise FileTypeError(f"not a .npy file: {registry.describe(f.read(registry.HEAD_BYTES))}", path)
         f.seek(0)
         header = read_npy_header(f)
-        size = os.fstat(f.fileno()).st_size
+        size = size_of(f)
     if header.data_offset + header.nbytes != size:
         raise MalformedError(
             f"shape {header.shape} of {header.dtype.name} needs {header.nbytes} bytes of data, "
@@ -288,7 +289,7 @@ def _check_file(target: Path, tensors: list[TensorInfo], source_format: str, met
 FORMAT = Format(
     "npy",
     (".npy",),
-    sniff=lambda head, path=None: head.startswith(MAGIC),
+    sniff=lambda head, f=None: head.startswith(MAGIC),
     describe=lambda head: "a NumPy .npy file" if head.startswith(MAGIC) else None,
     open_file=open_file,
     write=write,

@@ -18,6 +18,7 @@ from clipcli.checkpoint.formats import npy as _npy
 from clipcli.checkpoint.formats._common import first_zip_member
 from clipcli.checkpoint.formats._common import one_line as _one_line
 from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.source import LOCAL, Store, read_head
 from clipcli.checkpoint.tensor import Span, StoredCrc, TensorInfo, ZipMember
 from clipcli.checkpoint.zipmember import DATA_ERRORS, MemberStream, data_start
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
@@ -43,7 +44,7 @@ _ARCHIVE_ERRORS = (
 )
 
 
-def open_file(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
+def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
     """The members of an .npz as tensors, read from the zip directory and each member's .npy header.
 
     Members that are not numeric tensors (text, records, float128, files that are not .npy) are listed
@@ -53,9 +54,9 @@ def open_file(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
         FileTypeError: when the file is no zip archive.
         MalformedError, UnsupportedError: for a damaged archive or member.
     """
-    from clipcli.checkpoint.registry import describe, read_head
+    from clipcli.checkpoint.registry import HEAD_BYTES, describe
 
-    head = read_head(path)
+    head = read_head(store, path, HEAD_BYTES)
     if not _is_zip(head):  # np.load's test: a zip's first member, or an empty zip
         if head[:2] == b"PK":
             raise MalformedError("not a valid .npz: its first bytes are no zip member's header", path)
@@ -63,7 +64,7 @@ def open_file(path: Path) -> tuple[dict[str, str], list[TensorInfo]]:
     if b"data.pkl" in head:
         raise FileTypeError(f"not an .npz file: {describe(head)}", path)
     try:
-        with zipfile.ZipFile(path) as z, open(path, "rb") as raw:
+        with store.open(path) as archive, zipfile.ZipFile(archive) as z, store.open(path) as raw:
             tensors, seen = [], set()
             for member in z.infolist():
                 if member.is_dir():
@@ -200,7 +201,7 @@ def _check_file(target: Path, tensors: list[TensorInfo], source_format: str, met
     _npy.check_metadata(target, metadata)
 
 
-def _is_zip(head: bytes, path: Path | None = None) -> bool:
+def _is_zip(head: bytes, f: BinaryIO | None = None) -> bool:
     """np.load's test: a zip's first member, or an empty zip."""
     return head.startswith(ZIP_MAGIC)
 

@@ -3,6 +3,8 @@ PyTorch shards) and its `weight_map`, or a directory of shards."""
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import os
 from collections.abc import Callable
@@ -11,6 +13,7 @@ from typing import Any, BinaryIO
 
 from clipcli.checkpoint.formats import safetensors as _safetensors
 from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import InputError, MalformedError, MissingFileError
 
@@ -22,14 +25,16 @@ OpenFile = Callable[[Path], tuple[dict[str, str], list[TensorInfo]]]
 
 
 def open_index(
-    path: Path, open_file: OpenFile = _safetensors.open_file
+    path: Path, open_file: OpenFile = _safetensors.open_file, store: Store = LOCAL
 ) -> tuple[dict[str, str], list[TensorInfo], list[Path], dict[str, Any]]:
     """The metadata, tensors, shard files and index of a sharded checkpoint, from the index and headers.
 
     `open_file` reads a shard's metadata and tensors (safetensors' by default).
     """
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        with io.TextIOWrapper(store.open(path), encoding="utf-8") as f:  # as Path.read_text reads it
+            text = f.read()
+        index = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MalformedError(f"the index is not valid JSON ({e})", path) from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -52,8 +57,9 @@ def open_index(
     metadata: dict[str, str] = {}
     for shard in shards:
         shard_path = path.parent / shard
-        if not shard_path.is_file():
-            missing = "is not a file" if shard_path.exists() else "does not exist"
+        kind = store.kind(shard_path)
+        if kind != "file":
+            missing = "is not a file" if kind is not None else "does not exist"
             raise MissingFileError(f"shard {shard} named by the index {missing}", path)
         shard_meta, shard_tensors = open_file(shard_path)
         _add_metadata(metadata, shard_meta)
@@ -73,23 +79,23 @@ def open_index(
     return metadata, tensors, [path.parent / s for s in shards], index
 
 
-def find_index(directory: Path, suffixes: tuple[str, ...] = (INDEX_SUFFIX,)) -> Path | None:
+def find_index(directory: Path, suffixes: tuple[str, ...] = (INDEX_SUFFIX,), store: Store = LOCAL) -> Path | None:
     """The one index file (a name ending in one of `suffixes`) of a directory of shards, if it has one.
 
     Raises:
         InputError: when it holds several.
     """
-    indexes = sorted(p for p in directory.iterdir() if p.name.endswith(suffixes) and p.is_file())
+    indexes = sorted(p for p in store.list(directory) if p.name.endswith(suffixes) and store.kind(p) == "file")
     if len(indexes) > 1:
         raise InputError(f"the directory holds {len(indexes)} index files; name one", directory)
     return indexes[0] if indexes else None
 
 
-def open_directory(directory: Path) -> tuple[dict[str, str], list[TensorInfo], list[Path]]:
+def open_directory(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo], list[Path]]:
     """Every `*.safetensors` of a directory without an index, in name order, as one checkpoint."""
-    shards = sorted(p for p in directory.glob("*.safetensors") if not p.is_dir())
+    shards = sorted(p for p in _safetensors_in(directory, store) if store.kind(p) != "directory")
     if not shards:
-        files = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".npz"))
+        files = sorted(p.name for p in store.list(directory) if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".npz"))
         hint = f" such as {', '.join(files[:3])}" if files else ""
         raise MissingFileError(
             "the directory holds no .safetensors files, no *.safetensors.index.json, no pytorch_model.bin.index.json "
@@ -100,9 +106,9 @@ def open_directory(directory: Path) -> tuple[dict[str, str], list[TensorInfo], l
     metadata: dict[str, str] = {}
     seen: set[str] = set()
     for shard in shards:
-        if not shard.is_file():
+        if store.kind(shard) != "file":
             raise MissingFileError("a .safetensors in the directory that is not a file (a broken link?)", shard)
-        shard_meta, shard_tensors = _safetensors.open_file(shard)
+        shard_meta, shard_tensors = _safetensors.open_file(shard, store)
         _add_metadata(metadata, shard_meta)
         for t in shard_tensors:
             if t.name in seen:
@@ -127,27 +133,32 @@ def write_index(f: BinaryIO, base: dict[str, Any] | None, weight_map: dict[str, 
     f.write((json.dumps(out, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
-def open_path(path: Path) -> Opened:
+def _safetensors_in(directory: Path, store: Store) -> list[Path]:
+    """The paths in a directory that `*.safetensors` matches."""
+    return [p for p in store.list(directory) if p.name.endswith(".safetensors")]
+
+
+def open_path(path: Path, store: Store = LOCAL) -> Opened:
     """A directory of shards (through its index, if it has one) or an index of shards.
 
     A safetensors index comes first (Hugging Face repositories often hold both kinds of the same weights),
     then PyTorch shards' index, then loose .safetensors shards; never loose files over an index.
     """
-    if not path.is_dir():
+    if store.kind(path) != "directory":
         torch = path.name.endswith(TORCH_INDEX_SUFFIXES)
         if torch:
             from clipcli.checkpoint import registry  # here: PyTorch's reader only for PyTorch shards
 
-            opener = registry.get("torch").open_file
-            assert opener is not None
+            open_shard = registry.get("torch").open_file
+            assert open_shard is not None
         else:
-            opener = _safetensors.open_file
-        metadata, tensors, files, index = open_index(path, opener)
+            open_shard = _safetensors.open_file
+        metadata, tensors, files, index = open_index(path, functools.partial(open_shard, store=store), store)
         name, keys = ("sharded-torch", frozenset()) if torch else ("sharded", _safetensors.FORMAT.layout_keys)
         return Opened(metadata, tensors, files, name, index, path, keys, sharded=True)
-    index = find_index(path) or find_index(path, TORCH_INDEX_SUFFIXES)
+    index = find_index(path, store=store) or find_index(path, TORCH_INDEX_SUFFIXES, store)
     if index is not None and index.name.endswith(TORCH_INDEX_SUFFIXES):
-        loose = sorted(p.name for p in path.glob("*.safetensors"))
+        loose = sorted(p.name for p in _safetensors_in(path, store))
         if loose:
             raise InputError(
                 f"the directory holds {index.name} and {len(loose)} .safetensors file(s) without an index "
@@ -155,14 +166,14 @@ def open_path(path: Path) -> Opened:
                 path,
             )
     if index is None:
-        metadata, tensors, files = open_directory(path)
+        metadata, tensors, files = open_directory(path, store)
         return Opened(metadata, tensors, files, "sharded", layout_keys=_safetensors.FORMAT.layout_keys, sharded=True)
-    return open_path(index)
+    return open_path(index, store)
 
 
 FORMAT = Format(
     "sharded",
     (INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES),
-    recognises=lambda directory: True,  # any directory: the last directory format asked
+    recognises=lambda directory, store: True,  # any directory: the last directory format asked
     open=open_path,
 )

@@ -45,6 +45,7 @@ from clipcli.checkpoint.formats._pickle import (
     unpickle_at,
 )
 from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Piece, Pieces, Span, TensorInfo, check_elements
 from clipcli.checkpoint.zipmember import zip_data_start
 from clipcli.errors import (
@@ -635,7 +636,9 @@ class _Region:
         pass  # the file belongs to read_torch
 
 
-def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[str, str], list[TensorInfo]]:
+def open_file(
+    path: Path, store: Store = LOCAL, start: int = 0, end: int | None = None
+) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a torch.save file (or one at bytes [start, end) of a larger file).
 
     A view that is contiguous reads like any tensor (in chunks, by any worker); one with gaps, in another
@@ -649,7 +652,7 @@ def open_file(path: Path, start: int = 0, end: int | None = None) -> tuple[dict[
             f"({Path(path).parent}) instead",
             path,
         )
-    metadata, tensors = read_torch(path, start, end)
+    metadata, tensors = read_torch(path, start, end, store=store)
     # a storage is known by its file and key: shards of one checkpoint each have their own keys
     shared = {name: f"{path}:{key}" for key, names in shared_storages(tensors).items() for name in names}
     out = []
@@ -685,7 +688,7 @@ def _strided(t: TorchTensor, path: str, start: int, end: int) -> Pieces:
 
 
 def read_torch(
-    path: Path, start: int = 0, end: int | None = None, name: str | None = None
+    path: Path, start: int = 0, end: int | None = None, name: str | None = None, store: Store = LOCAL
 ) -> tuple[dict[str, str], list[TorchTensor]]:
     """The metadata and tensors of a torch.save file, or of one at bytes [start, end) of a larger file.
 
@@ -710,7 +713,7 @@ def read_torch(
     """
     path = Path(path)
     try:
-        f = open(path, "rb")  # noqa: SIM115 (the with-block below closes it)
+        f = store.open(path)
     except OSError as e:
         raise MissingFileError(e.strerror or str(e), path) from e
     with f:
@@ -727,7 +730,7 @@ def read_torch(
 def _read(
     f: BinaryIO, path: Path, start: int, end: int | None, name: str | None
 ) -> tuple[dict[str, str], list[TorchTensor]]:
-    size = os.fstat(f.fileno()).st_size
+    size = size_of(f)
     stop = size if end is None else end
     if not 0 <= start <= stop <= size:
         raise MalformedError(f"bytes {start}..{stop} are not inside the file ({size} bytes)")
@@ -1103,17 +1106,17 @@ _TORCH_RECORDS = ("data.pkl", "constants.pkl", "version")
 _ZIP = (b"PK\x03\x04", b"PK\x05\x06")
 
 
-def _sniff(head: bytes, path: Path | None = None) -> bool:
-    """A zip whose first record is torch's (or, `path` given, any record: torch.jit.save writes its storages
-    first), or a pickle of torch's legacy magic number."""
+def _sniff(head: bytes, f: BinaryIO | None = None) -> bool:
+    """A zip whose first record is torch's (or, the file `f` given, any record: torch.jit.save writes its
+    storages first), or a pickle of torch's legacy magic number."""
     if head.startswith(_ZIP):
-        return _is_torch_record(first_zip_member(head)) or (path is not None and _has_torch_record(path))
+        return _is_torch_record(first_zip_member(head)) or (f is not None and _has_torch_record(f))
     return head[:1] in (b"\x80", b"L") and _starts_with_torch_magic(head)  # L: protocols 0 and 1 write a LONG
 
 
-def _has_torch_record(path: Path) -> bool:
+def _has_torch_record(f: BinaryIO) -> bool:
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(f) as z:
             return any(_is_torch_record(name) for name in z.namelist())
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return False  # the reader says what is wrong with it

@@ -16,6 +16,34 @@ Chunks = Callable[[TensorInfo], Iterable[np.ndarray]]
 Expect = Callable[[TensorInfo, int], None]
 
 
+class Plan(NamedTuple):
+    """What writing a checkpoint makes: data files, each with its tensors in order, then an index of shards.
+
+    `index_base` is the source's own index (kept, with its weight map and total size redone);
+    `directory`, the directory of shards, is made if missing.
+    """
+
+    files: list[tuple[Path, list[TensorInfo]]]
+    index: Path | None = None
+    index_base: dict[str, Any] | None = None
+    directory: Path | None = None
+
+
+class DirectoryWriter(NamedTuple):
+    """How a format writes a directory of files (or an index of them), as `write.plan` and `write.save` ask.
+
+    `kind_of(name)` says which of the format's own file names a name is ('index': written; another word:
+    read only), if any; `plan(source, out, kind, tensors, max_shard)` lays out the files of a directory or
+    index output; `check(plan, source)` refuses a directory that holds other files of the format;
+    `finish(plan)` writes what goes after the data files (an index), and returns the files it wrote.
+    """
+
+    kind_of: Callable[[str], str | None]
+    plan: Callable[[Any, Path, str, list[TensorInfo], int | None], Plan]
+    check: Callable[[Plan, Any], None]
+    finish: Callable[[Plan], list[Path]]
+
+
 class Opened(NamedTuple):
     """What opening a checkpoint found, from its headers alone.
 
@@ -48,7 +76,7 @@ class Format:
     chunks), and where its data can be written in any order once its header is, `header`; `check_tensor` and
     `check_file` refuse, before anything is written, what it cannot hold (raising UnsupportedError).
     `c_order` says it holds values in C order only; `layout_keys`, the metadata keys that say how a file was
-    written, not what it holds.
+    written, not what it holds; `directory_writer`, how it writes a directory of files, where it does.
     """
 
     name: str
@@ -64,3 +92,4 @@ class Format:
     check_file: Callable[[Path, list[TensorInfo], str, dict[str, str]], None] | None = None
     c_order: bool = False
     layout_keys: frozenset[str] = frozenset()
+    directory_writer: DirectoryWriter | None = None

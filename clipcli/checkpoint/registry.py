@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from clipcli.checkpoint import source
-from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.plugin import DirectoryWriter, Format, Opened
 from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.errors import FileTypeError
 
@@ -23,6 +23,7 @@ _BUILTIN: list[tuple[str, str, tuple[str, ...], bool]] = [  # name, module, suff
     ("distcp", "dcp", (), True),
     ("sharded", "sharded", (".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json"), True),
 ]
+_DIRECTORY_WRITER = "sharded"  # the format a directory output is written in
 _MODULES = {name: module for name, module, _, _ in _BUILTIN}
 _SUFFIXES = {name: suffixes for name, _, suffixes, _ in _BUILTIN}
 _DIRECTORIES = [name for name, _, _, directory in _BUILTIN if directory]
@@ -153,6 +154,13 @@ def open_path(path: Path, store: Store = LOCAL) -> Opened:
     assert fmt.open_file is not None
     metadata, tensors = fmt.open_file(path, store)
     return Opened(metadata, tensors, [path], fmt.name, layout_keys=fmt.layout_keys)
+
+
+def directory_writer() -> DirectoryWriter:
+    """How a directory output is written (a directory of safetensors shards and its index)."""
+    writer = get(_DIRECTORY_WRITER).directory_writer
+    assert writer is not None
+    return writer
 
 
 def writable(name: str | None) -> bool:

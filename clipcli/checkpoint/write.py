@@ -8,14 +8,14 @@ import os
 import shlex
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from clipcli.checkpoint import registry
 from clipcli.checkpoint.atomic import atomic_write, resolve_target
 from clipcli.checkpoint.engine import CHUNK_BYTES
-from clipcli.checkpoint.formats.sharded import INDEX_SUFFIX, TORCH_INDEX_SUFFIXES, write_index
+from clipcli.checkpoint.plugin import Plan
 from clipcli.checkpoint.reader import Checkpoint
 from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import ClipcliError, UnsupportedError, UsageError, WriteError
@@ -24,13 +24,9 @@ _MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are writt
 
 
 def output_kind(path: Path) -> str:
-    """The format a path names: a format's name, 'index', 'torch-index' or 'directory'."""
-    name = path.name
-    if name.endswith(INDEX_SUFFIX):
-        return "index"
-    if name.endswith(TORCH_INDEX_SUFFIXES):
-        return "torch-index"
-    return registry.named_by(name) or "directory"
+    """The format a path names: a file format's name, 'index' (of shards, written), 'torch-index' (read only)
+    or 'directory'."""
+    return registry.directory_writer().kind_of(path.name) or registry.named_by(path.name) or "directory"
 
 
 def check_output(
@@ -141,18 +137,7 @@ def save(
                 assert fmt.write is not None
                 fmt.write(f, group, source.metadata, ordered, _expect(target))
             written.append(target)
-        return [*written, *_write_index(layout)]
-
-
-def _write_index(layout: Plan) -> list[Path]:
-    if layout.index is None:
-        return []
-    where = layout.index.parent
-    mapping = {t.name: target.relative_to(where).as_posix() for target, group in layout.files for t in group}
-    total = sum(t.nbytes for _, group in layout.files for t in group)
-    with atomic_write(layout.index) as f:
-        write_index(f, layout.index_base, mapping, total)
-    return [layout.index]
+        return [*written, *registry.directory_writer().finish(layout)]
 
 
 class Place(NamedTuple):
@@ -219,7 +204,7 @@ def placed(
                 at += t.nbytes
             f.truncate(at)  # the data's room (a sparse file until written)
         yield places
-    _write_index(layout)
+    registry.directory_writer().finish(layout)
 
 
 def check_plan(
@@ -315,19 +300,6 @@ def _directory(layout: Plan) -> Iterator[None]:
         raise
 
 
-class Plan(NamedTuple):
-    """What writing a checkpoint makes: data files, each with its tensors in order, then an index of shards.
-
-    `index_base` is the source's own index (kept, with its weight map and total size redone);
-    `directory`, the directory of shards, is made if missing.
-    """
-
-    files: list[tuple[Path, list[TensorInfo]]]
-    index: Path | None = None
-    index_base: dict[str, Any] | None = None
-    directory: Path | None = None
-
-
 def plan(
     source: Checkpoint,
     out: str | os.PathLike[str],
@@ -348,85 +320,18 @@ def plan(
     out = Path(out)
     kind = output_kind(out)
     tensors = source.tensors if tensors is None else tensors
+    shards = registry.directory_writer()
     if kind in ("directory", "index"):
-        directory = out.parent if kind == "index" else out
-        if max_shard is not None:
-            layout = _reshard(tensors, directory, out if kind == "index" else None, max_shard, source.index)
-        elif source.format == "sharded":
-            groups: dict[str, list[TensorInfo]] = {}
-            for t in tensors:
-                groups.setdefault(t.file, []).append(t)
-            files = [(directory / name, groups.get(str(f), [])) for f, name in _shard_names(source)]
-            index = None
-            if source.index_path is not None:
-                index = out if kind == "index" else directory / source.index_path.name
-            layout = Plan([(target, group) for target, group in files if group], index, source.index, directory)
-        else:
-            raise UsageError("a directory output needs a sharded input; name a .safetensors, .npz or .npy file", out)
+        layout = shards.plan(source, out, kind, tensors, max_shard)
     elif max_shard is not None:
         message = "writes shards: name a directory (or a *.safetensors.index.json)"
         raise UsageError(message, out, "--max-shard-size")
     else:
         layout = Plan([(out, tensors)])
-    _check_no_stale_shards(layout, source.index_path if source.format == "sharded-torch" else None)
+    shards.check(layout, source)
     for target, group in layout.files:
         _check_format(target, group, source)
     return layout
-
-
-def _shard_names(source: Checkpoint) -> list[tuple[Path, Path]]:
-    """Each shard of a sharded source with its path relative to the index's directory (`a/model.safetensors`):
-    shards of one name in different subdirectories stay apart in the output. The index reader refuses
-    shard paths that leave its directory, so each is below it."""
-    base = source.path if source.index_path is None else source.index_path.parent
-    return [(f, f.relative_to(base)) for f in source.files]
-
-
-def _check_no_stale_shards(layout: Plan, source_index: Path | None = None) -> None:
-    """Refuses a directory output that holds other shards or indexes than those the write makes: left
-    beside the new ones, they would make the directory a different (or an unreadable) checkpoint.
-
-    Raises:
-        WriteError: naming a few of them.
-    """
-    if layout.directory is None or not layout.directory.is_dir():
-        return
-    made = {resolve_target(f) for f, _ in layout.files} | ({resolve_target(layout.index)} if layout.index else set())
-    if source_index is not None:  # PyTorch shards converted beside themselves: the new index is read first
-        made.add(resolve_target(source_index))
-    directories = dict.fromkeys([layout.directory, *(f.parent for f, _ in layout.files)])  # shards' subdirectories
-    stale = sorted(
-        p.relative_to(layout.directory).as_posix()
-        for d in directories
-        if d.is_dir()
-        for p in d.iterdir()
-        if p.name.endswith((".safetensors", INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES)) and resolve_target(p) not in made
-    )
-    if stale:
-        listed = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
-        raise WriteError(
-            f"the directory holds {listed}, which this write would leave beside its own shards; "
-            "remove them or name an empty directory",
-            layout.directory,
-        )
-
-
-def _reshard(
-    tensors: list[TensorInfo], directory: Path, index: Path | None, max_shard: int, base: dict[str, Any] | None
-) -> Plan:
-    """Tensors in order, a new shard started when the next would pass `max_shard` bytes."""
-    groups: list[list[TensorInfo]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > max_shard:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    prefix = "model" if index is None else index.name[: -len(INDEX_SUFFIX)]
-    n = len(groups)
-    files = [(directory / f"{prefix}-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
-    return Plan(files, index or directory / f"{prefix}{INDEX_SUFFIX}", base, directory)
 
 
 def _check_format(target: Path, tensors: list[TensorInfo], source: Checkpoint) -> None:

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from clipcli.checkpoint.atomic import atomic_write, resolve_target
 from clipcli.checkpoint.formats import safetensors as _safetensors
-from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.plugin import DirectoryWriter, Format, Opened, Plan
 from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import TensorInfo
-from clipcli.errors import InputError, MalformedError, MissingFileError
+from clipcli.errors import InputError, MalformedError, MissingFileError, UsageError, WriteError
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # PyTorch shards' indexes, as transformers names them (pytorch_model.bin.index.json): read, never written
@@ -171,9 +172,116 @@ def open_path(path: Path, store: Store = LOCAL) -> Opened:
     return open_path(index, store)
 
 
+# -- writing ----------------------------------------------------------------------------------------------
+
+
+def kind_of(name: str) -> str | None:
+    """'index' for the name of an index of safetensors shards (written), 'torch-index' for PyTorch shards'
+    (read only), else None."""
+    if name.endswith(INDEX_SUFFIX):
+        return "index"
+    if name.endswith(TORCH_INDEX_SUFFIXES):
+        return "torch-index"
+    return None
+
+
+def plan_output(source: Any, out: Path, kind: str, tensors: list[TensorInfo], max_shard: int | None) -> Plan:
+    """The shards of a directory (`kind` 'directory') or index ('index') output: the source's own shards and
+    index, or with `max_shard` (bytes) new shards of at most that size (see `write.plan`).
+
+    Raises:
+        UsageError: for a source that is not sharded, without `max_shard`.
+    """
+    directory = out.parent if kind == "index" else out
+    if max_shard is not None:
+        return _reshard(tensors, directory, out if kind == "index" else None, max_shard, source.index)
+    if source.format == "sharded":
+        groups: dict[str, list[TensorInfo]] = {}
+        for t in tensors:
+            groups.setdefault(t.file, []).append(t)
+        files = [(directory / name, groups.get(str(f), [])) for f, name in _shard_names(source)]
+        index = None
+        if source.index_path is not None:
+            index = out if kind == "index" else directory / source.index_path.name
+        return Plan([(target, group) for target, group in files if group], index, source.index, directory)
+    raise UsageError("a directory output needs a sharded input; name a .safetensors, .npz or .npy file", out)
+
+
+def _check_output(layout: Plan, source: Any) -> None:
+    _check_no_stale_shards(layout, source.index_path if source.format == "sharded-torch" else None)
+
+
+def _shard_names(source: Any) -> list[tuple[Path, Path]]:
+    """Each shard of a sharded source with its path relative to the index's directory (`a/model.safetensors`):
+    shards of one name in different subdirectories stay apart in the output. The index reader refuses
+    shard paths that leave its directory, so each is below it."""
+    base = source.path if source.index_path is None else source.index_path.parent
+    return [(f, f.relative_to(base)) for f in source.files]
+
+
+def _check_no_stale_shards(layout: Plan, source_index: Path | None = None) -> None:
+    """Refuses a directory output that holds other shards or indexes than those the write makes: left
+    beside the new ones, they would make the directory a different (or an unreadable) checkpoint.
+
+    Raises:
+        WriteError: naming a few of them.
+    """
+    if layout.directory is None or not layout.directory.is_dir():
+        return
+    made = {resolve_target(f) for f, _ in layout.files} | ({resolve_target(layout.index)} if layout.index else set())
+    if source_index is not None:  # PyTorch shards converted beside themselves: the new index is read first
+        made.add(resolve_target(source_index))
+    directories = dict.fromkeys([layout.directory, *(f.parent for f, _ in layout.files)])  # shards' subdirectories
+    stale = sorted(
+        p.relative_to(layout.directory).as_posix()
+        for d in directories
+        if d.is_dir()
+        for p in d.iterdir()
+        if p.name.endswith((".safetensors", INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES)) and resolve_target(p) not in made
+    )
+    if stale:
+        listed = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        raise WriteError(
+            f"the directory holds {listed}, which this write would leave beside its own shards; "
+            "remove them or name an empty directory",
+            layout.directory,
+        )
+
+
+def _reshard(
+    tensors: list[TensorInfo], directory: Path, index: Path | None, max_shard: int, base: dict[str, Any] | None
+) -> Plan:
+    """Tensors in order, a new shard started when the next would pass `max_shard` bytes."""
+    groups: list[list[TensorInfo]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    prefix = "model" if index is None else index.name[: -len(INDEX_SUFFIX)]
+    n = len(groups)
+    files = [(directory / f"{prefix}-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
+    return Plan(files, index or directory / f"{prefix}{INDEX_SUFFIX}", base, directory)
+
+
+def _write_index(layout: Plan) -> list[Path]:
+    """Writes the index of a plan's shards, if it has one; returns it."""
+    if layout.index is None:
+        return []
+    where = layout.index.parent
+    mapping = {t.name: target.relative_to(where).as_posix() for target, group in layout.files for t in group}
+    total = sum(t.nbytes for _, group in layout.files for t in group)
+    with atomic_write(layout.index) as f:
+        write_index(f, layout.index_base, mapping, total)
+    return [layout.index]
+
+
 FORMAT = Format(
     "sharded",
     (INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES),
     recognises=lambda directory, store: True,  # any directory: the last directory format asked
     open=open_path,
+    directory_writer=DirectoryWriter(kind_of, plan_output, _check_output, _write_index),
 )

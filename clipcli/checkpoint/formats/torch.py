@@ -232,7 +232,7 @@ def _read(
     return flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, name is not None)
 
 
-# what zipfile raises for a damaged archive (see checkpoint/__init__.py, which reads .npz the same way)
+# what zipfile raises for a damaged archive (see formats/npz.py, which reads .npz the same way)
 _ZIP_ERRORS = (
     zipfile.BadZipFile,
     zipfile.LargeZipFile,

@@ -29,19 +29,34 @@ class Plan(NamedTuple):
     directory: Path | None = None
 
 
+class Target(NamedTuple):
+    """An output path as given (`raw`), its path, what it names (`write.output_kind`), whether clipcli writes that,
+    the hint its error messages end with, and the option that named it."""
+
+    raw: str
+    path: Path
+    kind: str
+    writable: bool
+    hint: str
+    param: str = "-o"
+
+
 class DirectoryWriter(NamedTuple):
     """How a format writes a directory of files (or an index of them), as `write.plan` and `write.save` ask.
 
     `kind_of(name)` says which of the format's own file names a name is ('index': written; another word:
     read only), if any; `plan(source, out, kind, tensors, max_shard)` lays out the files of a directory or
     index output; `check(plan, source)` refuses a directory that holds other files of the format;
-    `finish(plan)` writes what goes after the data files (an index), and returns the files it wrote.
+    `finish(plan)` writes what goes after the data files (an index), and returns the files it wrote;
+    `check_target(target, source, resharding, command)` refuses an output that this source cannot be written to
+    (its own place, for a checkpoint clipcli does not write back; a directory, for one that is not sharded).
     """
 
     kind_of: Callable[[str], str | None]
     plan: Callable[[Any, Path, str, list[TensorInfo], int | None], Plan]
     check: Callable[[Plan, Any], None]
     finish: Callable[[Plan], list[Path]]
+    check_target: Callable[[Target, Any, bool, str], None]
 
 
 class Opened(NamedTuple):

@@ -15,7 +15,7 @@ import numpy as np
 from clipcli.checkpoint import registry
 from clipcli.checkpoint.atomic import atomic_write, resolve_target
 from clipcli.checkpoint.engine import CHUNK_BYTES
-from clipcli.checkpoint.plugin import Plan
+from clipcli.checkpoint.plugin import Plan, Target
 from clipcli.checkpoint.reader import Checkpoint
 from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import ClipcliError, UnsupportedError, UsageError, WriteError
@@ -58,23 +58,9 @@ def check_output(
     if not raw:  # Path("") is the current directory, which a sharded output would fill
         raise UsageError(f"an empty path names no file; {hint}", None, param)
     kind = output_kind(out)
-    if not (kind in ("index", "directory") or (kind != "torch-index" and registry.writable(kind))) or (
-        out == source.path and (source.format == "distcp" or (source.format == "sharded-torch" and not resharding))
-    ):
-        raise UsageError(f"clipcli reads PyTorch files but does not write them; {hint}", raw, param)
-    if kind in ("index", "directory") and source.format == "sharded-torch" and not resharding:
-        shards = "clipcli convert --max-shard-size writes them as .safetensors shards"
-        raise UsageError(f"clipcli reads PyTorch shards but does not write them; {hint} ({shards})", raw, param)
-    if kind == "directory" and not (out == source.path and source.format == "sharded"):
-        if out.suffix and not raw.endswith(("/", os.sep)) and not out.is_dir():
-            raise UsageError(
-                f"unknown output format {out.suffix!r}; {hint} (or a directory for a sharded input)", raw, param
-            )
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"exists and is not a directory; {hint}", raw, param)
-        if source.format != "sharded" and not resharding:
-            more = " (or --max-shard-size)" if command == "convert" else ""
-            raise UsageError(f"a directory output needs a sharded input{more}; {hint}", raw, param)
+    writable = kind in ("index", "directory") or (kind != "torch-index" and registry.writable(kind))
+    target = Target(raw, out, kind, writable, hint, param)
+    registry.directory_writer().check_target(target, source, resharding, command)
     return out
 
 

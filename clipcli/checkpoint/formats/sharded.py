@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 from clipcli.checkpoint.atomic import atomic_write, resolve_target
 from clipcli.checkpoint.formats import safetensors as _safetensors
-from clipcli.checkpoint.plugin import DirectoryWriter, Format, Opened, Plan
+from clipcli.checkpoint.plugin import DirectoryWriter, Format, Opened, Plan, Target
 from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import InputError, MalformedError, MissingFileError, UsageError, WriteError
@@ -207,6 +207,34 @@ def plan_output(source: Any, out: Path, kind: str, tensors: list[TensorInfo], ma
     raise UsageError("a directory output needs a sharded input; name a .safetensors, .npz or .npy file", out)
 
 
+def check_target(target: Target, source: Any, resharding: bool, command: str) -> None:
+    """Refuses an output path that `source` cannot be written to, before any work (see `write.check_output`).
+
+    Raises:
+        UsageError: for a PyTorch file, PyTorch shards or a distributed checkpoint (never written back), an
+            existing file that is no checkpoint file, or a directory output for a source that is not sharded
+            safetensors.
+    """
+    raw, out, kind, hint, param = target.raw, target.path, target.kind, target.hint, target.param
+    if not target.writable or (
+        out == source.path and (source.format == "distcp" or (source.format == "sharded-torch" and not resharding))
+    ):
+        raise UsageError(f"clipcli reads PyTorch files but does not write them; {hint}", raw, param)
+    if kind in ("index", "directory") and source.format == "sharded-torch" and not resharding:
+        shards = "clipcli convert --max-shard-size writes them as .safetensors shards"
+        raise UsageError(f"clipcli reads PyTorch shards but does not write them; {hint} ({shards})", raw, param)
+    if kind == "directory" and not (out == source.path and source.format == "sharded"):
+        if out.suffix and not raw.endswith(("/", os.sep)) and not out.is_dir():
+            raise UsageError(
+                f"unknown output format {out.suffix!r}; {hint} (or a directory for a sharded input)", raw, param
+            )
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"exists and is not a directory; {hint}", raw, param)
+        if source.format != "sharded" and not resharding:
+            more = " (or --max-shard-size)" if command == "convert" else ""
+            raise UsageError(f"a directory output needs a sharded input{more}; {hint}", raw, param)
+
+
 def _check_output(layout: Plan, source: Any) -> None:
     _check_no_stale_shards(layout, source.index_path if source.format == "sharded-torch" else None)
 
@@ -283,5 +311,5 @@ FORMAT = Format(
     (INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES),
     recognises=lambda directory, store: True,  # any directory: the last directory format asked
     open=open_path,
-    directory_writer=DirectoryWriter(kind_of, plan_output, _check_output, _write_index),
+    directory_writer=DirectoryWriter(kind_of, plan_output, _check_output, _write_index, check_target),
 )

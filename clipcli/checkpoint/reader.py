@@ -205,9 +205,11 @@ class Checkpoint:
         self._crcs.add(log)
 
     def forget_handles(self) -> None:
-        """In a forked worker: opens its own streams (their file positions are not to be shared)."""
+        """In a forked worker: opens its own streams (their file positions are not to be shared), and lets the
+        store reopen what it cannot share."""
         self._zips = {}
         self._crcs = ReadLog()
+        self.store.forked()
 
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor as an array of its shape in C order (for small tensors and tests).

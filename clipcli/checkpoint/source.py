@@ -34,7 +34,8 @@ class Source(Protocol):
 class Store(Protocol):
     """The files a checkpoint is in: opened as file objects or sources, looked at, listed.
 
-    Every method raises OSError as the file system would (FileNotFoundError for a missing file).
+    Every method raises OSError as the file system would (FileNotFoundError for a missing file). A source is
+    held from `source` to `release`; `forked` is called in a forked worker (to reopen what cannot be shared).
     """
 
     def open(self, path: Path) -> BinaryIO: ...
@@ -50,6 +51,8 @@ class Store(Protocol):
     def real(self, path: Path) -> Path: ...
 
     def release(self, source: Source) -> None: ...
+
+    def forked(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -104,6 +107,11 @@ class LocalStore:
     def release(self, source: Source) -> None:
         with self._lock:
             source.users -= 1  # type: ignore[attr-defined]
+
+    def forked(self) -> None:
+        """In a forked worker: a lock of its own (a thread of the parent may have held this one at the fork).
+        The descriptors stay shared: `preadv` reads at an offset and moves no file position."""
+        self._lock = threading.Lock()
 
     def kind(self, path: Path) -> str | None:
         """'file', 'directory', 'other' (a pipe, a device) or None (missing), links followed, as pathlib says."""
@@ -179,6 +187,9 @@ class MemoryStore:
         return self._make(os.fspath(path), data)
 
     def release(self, source: Source) -> None:
+        pass
+
+    def forked(self) -> None:
         pass
 
     def size(self, path: Path) -> int:

@@ -108,3 +108,34 @@ def test_a_zip_reads_through_a_file_object_over_a_source(tmp_path: Path) -> None
     store = MemoryStore.copy_of([path])
     with store.open(path) as f, zipfile.ZipFile(f) as z:
         assert sorted(z.namelist()) == ["b.npy", "f.npy", "w.npy"]
+
+
+class _Sums:
+    """A kernel: each tensor's values summed by offset, so that any sharing of chunks gives the same result."""
+
+    def __init__(self) -> None:
+        self.parts: dict[tuple[str, int], float] = {}
+
+    def chunk(self, t, offset: int, values: np.ndarray) -> None:
+        self.parts[(t.name, offset)] = float(np.sum(values, dtype=np.float64))
+
+    def result(self) -> dict[tuple[str, int], float]:
+        return self.parts
+
+
+@pytest.mark.parametrize("kind", ["torch-zip", "npz-stored", "dcp"])
+def test_forked_workers_read_through_the_store(tmp_path: Path, kind: str, monkeypatch) -> None:
+    from clipcli.checkpoint import engine
+
+    monkeypatch.setattr(engine, "SMALL_TENSOR", -1)  # every tensor a task of its own
+    monkeypatch.setattr(engine, "_BYTES_PER_WORKER", 1)
+    path = make(kind, tmp_path)
+    store = MemoryStore.copy_of([path])
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    results = {}
+    for how in ("inline", "threads", "processes"):
+        with open_checkpoint(path, store) as ckpt:
+            numeric = [t for t in ckpt.tensors if t.array_dtype is not None]
+            parts = engine.run(ckpt, numeric, _Sums, jobs=2, kind=how)
+        results[how] = {k: v for part in parts for k, v in part.items()}
+    assert results["inline"] and results["inline"] == results["threads"] == results["processes"]

@@ -187,6 +187,7 @@ def read_torch(
             `optim.param_groups.0.betas`): a container's items are named `name.key`, and an empty
             container is the metadata `{}`, `[]` or `()`. None: the object is the file's, its items
             are named by their keys alone, and a tensor or value saved on its own takes the file's stem.
+        store: where the file is read from (by default the file system).
 
     Raises:
         MissingFileError: when the file cannot be opened.

@@ -1,9 +1,11 @@
-"""Checkpoints on disk: list tensors from headers, read them in bounded chunks, write them atomically.
+"""Checkpoints: list tensors from headers, read them in bounded chunks, write them atomically.
 
-A format is a module under `formats/` ending with its `FORMAT` record, named once in `registry`; the
-modules here know no format: `tensor` (what a header describes, and where its bytes lie), `reader` (an open
-checkpoint), `decode` (bytes to values), `engine` (work over chunks by N workers), `write` (plans, checks and
-writes), `atomic` (the one way a file is written).
+A format is a module under `formats/` ending with its `FORMAT` record (`plugin.Format`), named once in
+`registry`; the modules here know no format: `tensor` (what a header describes, and where its bytes lie),
+`source` (where bytes come from: a `Store` of files, each a `Source` of ranged reads), `reader` (an open
+checkpoint), `decode` (bytes to values), `engine` and `workers` (work over chunks by N workers), `write`
+(plans, checks and writes), `atomic` (the one way a file is written), `crc` and `zipmember` (zip members
+read in parts or as streams).
 """
 
 from __future__ import annotations

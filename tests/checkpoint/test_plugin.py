@@ -110,3 +110,31 @@ def test_a_registered_format_is_sniffed_without_its_suffix(tmp_path: Path, raw_f
     src = write_raw(tmp_path / "model.weights", TENSORS)
     (c,) = json.loads(ok("inspect", src, "--format", "json"))["checkpoints"]
     assert c["format"] == "raw"
+
+
+def test_every_builtin_format_is_named_once() -> None:
+    """The registry's line of each format (read without importing it) agrees with the format's own record."""
+    from clipcli.checkpoint import registry
+
+    for name, module, suffixes, directory in registry._BUILTIN:
+        fmt = registry.get(name)
+        assert (fmt.name, fmt.suffixes, fmt.recognises is not None) == (name, suffixes, directory), module
+
+
+def test_inspect_of_a_safetensors_file_imports_no_other_format(tmp_path: Path) -> None:
+    # the registry imports one format a run: PyTorch's reader and its unpickler, zipfile, the others wait
+    import subprocess
+    import sys
+
+    save = "from safetensors.numpy import save_file; import numpy as np; "
+    save += f"save_file({{'w': np.ones(3, np.float32)}}, {str(tmp_path / 'm.safetensors')!r})"
+    subprocess.run([sys.executable, "-c", save], check=True)
+    code = (
+        "import sys; from clipcli.cli import main\n"
+        f"try: main(['inspect', {str(tmp_path / 'm.safetensors')!r}])\n"
+        "except SystemExit: pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('clipcli.checkpoint.formats.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = ["clipcli.checkpoint.formats._common", "clipcli.checkpoint.formats.safetensors"]
+    assert done.stdout.strip().splitlines()[-1] == str(loaded)

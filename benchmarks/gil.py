@@ -34,7 +34,7 @@ RELEASED = re.compile(
     r"_X86_|_AVX|_contig_cast|_cast_|aligned_|_strided_|_to_|BINARY_|UNARY_|_maximum|_minimum|_bitwise|_shift"
     r"|_and_|simd_|dot_compute|ddot|openblas|preadv|pread64|__libc_pread|\bread \(libc|_fused\.c"
 )
-LOOP = "loop (clipcli/checkpoint/_engine.py"
+LOOP = "loop (clipcli/checkpoint/engine.py"
 
 
 def share(raws: list[Path]) -> tuple[float, int, list[tuple[str, float]]]:

@@ -15,8 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from clipcli.checkpoint import _engine, open_checkpoint
-from clipcli.commands import _Diffs, _Norms
+from clipcli.checkpoint import engine as _engine
+from clipcli.checkpoint import open_checkpoint
+from clipcli.commands.diff import DiffKernel
+from clipcli.commands.measure import NormKernel
 from clipcli.core.blocks import BLOCK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,7 +42,12 @@ def main() -> None:
             continue
         with open_checkpoint(path) as ckpt:
             times = [
-                best(lambda k=kind, n=jobs: _engine.run(ckpt, ckpt.tensors, lambda: _Norms(2.0), n, kind=k), args.reps)
+                best(
+                    lambda k=kind, n=jobs: _engine.run(
+                        ckpt, ckpt.tensors, lambda: NormKernel(2.0), n, kind=k, unit=BLOCK
+                    ),
+                    args.reps,
+                )
                 for kind, jobs in (("inline", 1), ("threads", j), ("processes", j))
             ]
         row(f"global-norm {name}", times)
@@ -52,7 +59,7 @@ def main() -> None:
             times = [
                 best(
                     lambda k=kind, n=jobs: _engine.run_pairs(
-                        (ca, cb), pairs, lambda: _Diffs(2.0, numeric), n, BLOCK, kind=k
+                        (ca, cb), pairs, lambda: DiffKernel(2.0, pairs, numeric), n, BLOCK, kind=k
                     ),
                     args.reps,
                 )

@@ -164,7 +164,7 @@ _lost_reports: list[Exception] = []  # a report `_emit` could not write, raised 
 
 def _emit(report: Any, fmt: opts.Format, quiet: bool, report_file: Path | None = None) -> None:
     """The report on stdout in `fmt` (unless `quiet`), and as JSON in `report_file`."""
-    from clipcli.checkpoint._files import atomic_write
+    from clipcli.checkpoint.atomic import atomic_write
 
     if report_file is not None:
         with atomic_write(report_file) as f:

@@ -8,7 +8,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
-import typer  # noqa: TID251 (the command line's own module, beside cli.py)
+import typer
 
 from clipcli import __version__
 
@@ -258,7 +258,7 @@ def _completion(ctx: typer.Context, param: Any, value: str | None) -> None:
     the shell clipcli runs in."""
     if value is None or ctx.resilient_parsing:
         return
-    from typer import completion  # noqa: TID251
+    from typer import completion
 
     callback = completion.show_callback if param.name == "show_completion" else completion.install_callback
     callback(ctx, param, value or True)  # True: Typer finds the current shell

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import deserialize, serialize
 
 if TYPE_CHECKING:
-    from clipcli.checkpoint._torch import TorchTensor
+    from clipcli.checkpoint.formats.torch import TorchTensor
 
 try:  # safetensors >= 0.8 takes TensorSpec objects; older releases took dicts of bytes
     from safetensors import TensorSpec

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout
-from clipcli.checkpoint._engine import pair_values
+from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout, pair_values
 from clipcli.commands import passes
 from clipcli.commands.gates import exceeds, limit_text
 from clipcli.commands.measure import NormOptions
@@ -167,13 +166,10 @@ def _same_numbers(a: np.ndarray, b: np.ndarray) -> bool:
 # Metadata that says how a file was written, not what it holds: the `format` of a safetensors `__metadata__`
 # (`pt`, `np`, `tf`, ...: the library that saved it), which every Hugging Face save writes and a PyTorch file,
 # an .npz or clipcli's own conversion of them does not.
-_LAYOUT_KEYS = {"safetensors": frozenset({"format"}), "sharded": frozenset({"format"})}
-
-
 def metadata_differs(a: Checkpoint, b: Checkpoint, selection: Selection) -> tuple[str, ...]:
     """The metadata keys, sorted, that the selection takes and whose values (strings) differ or that one
     checkpoint alone has, layout keys aside."""
-    layout = _LAYOUT_KEYS.get(a.format, frozenset()) | _LAYOUT_KEYS.get(b.format, frozenset())
+    layout = a.layout_keys | b.layout_keys
     keys = a.metadata.keys() | b.metadata.keys()
     return tuple(sorted(k for k in keys - layout if a.metadata.get(k) != b.metadata.get(k) and selection.selects(k)))
 

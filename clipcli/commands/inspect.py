@@ -44,4 +44,5 @@ def listing_fields(
         "summary": listed(rows),
         "tensors": order(rows, sort, top),
         "shared": shared_storages(tensors),
+        "several_files": ckpt.sharded,
     }

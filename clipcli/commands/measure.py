@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from clipcli.checkpoint import Checkpoint, TensorInfo
+from clipcli.checkpoint import Checkpoint, TensorInfo, decode
 from clipcli.commands import passes
 from clipcli.commands.passes import PerTensor, Progress, gathered
 from clipcli.commands.select import EVERY, Selection
@@ -81,9 +81,7 @@ def _joins(u: TensorInfo, dtype: np.dtype, small: int) -> bool:
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
-    from clipcli.checkpoint._engine import as_values
-
-    return as_values(raw[start : start + t.nbytes], t.stored_dtype or t.array_dtype)
+    return decode(raw[start : start + t.nbytes], t)
 
 
 def combined(

@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.checkpoint import Checkpoint, TensorInfo
-from clipcli.checkpoint._engine import run, run_pairs
+from clipcli.checkpoint import Checkpoint, TensorInfo, run, run_pairs
 from clipcli.core.blocks import BLOCK
 
 
@@ -54,8 +53,8 @@ def run_pass(
         return run_pairs(source, items, make_kernel, jobs, BLOCK, progress.advance)
     kernel = make_kernel()  # (cheap: a kernel holds only what its chunks add up)
     if getattr(kernel, "ordered", False):
-        return source.map_chunks(list(items), kernel.chunk, jobs, align=align)
-    return run(source, items, make_kernel, jobs, align, progress.advance)
+        return source.map_chunks(list(items), kernel.chunk, jobs, align=align, unit=BLOCK)
+    return run(source, items, make_kernel, jobs, align, progress.advance, unit=BLOCK)
 
 
 class PerTensor(dict):

@@ -9,9 +9,6 @@ from clipcli.errors import shown_path
 from clipcli.report.render import SCHEMA, Report, cell, plural, shape_text, shared_lines, showing, size, table
 from clipcli.report.rows import InspectRow, Skipped, Summary
 
-# The layouts of several files, whose listing names each tensor's file
-_SEVERAL_FILES = ("sharded", "sharded-torch", "distcp")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Listing:
@@ -24,6 +21,7 @@ class Listing:
     summary: Summary
     tensors: tuple[InspectRow, ...] = ()
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
+    several_files: bool = False  # a layout of several files (shards, a distributed checkpoint): the table names each
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -85,7 +83,7 @@ class InspectReport(Report):
         for c in self.checkpoints:
             lines = [f"{c.path}: {c.format}, {c._counts()}"]
             lines += [f"  metadata {k} = {v}" for k, v in (c.metadata or {}).items()]
-            lines += c._table(c.format in _SEVERAL_FILES)
+            lines += c._table(c.several_files)
             blocks.append(lines + shared_lines(c.shared, written=False))
         return blocks
 

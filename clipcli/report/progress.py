@@ -27,8 +27,8 @@ class _Bar:
 def progress_bar(stream: TextIO) -> Iterator[_Bar]:
     """A transient bar on `stream` (plain under NO_COLOR), gone when the work ends."""
     # report/ draws with rich (TID251 is waived line by line until the lint rule names report/)
-    from rich.console import Console  # noqa: TID251
-    from rich.progress import (  # noqa: TID251
+    from rich.console import Console
+    from rich.progress import (
         BarColumn,
         DownloadColumn,
         Progress,

@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from clipcli.checkpoint import Checkpoint, _safetensors, open_checkpoint, save
+from clipcli.checkpoint import Checkpoint, open_checkpoint, save
+from clipcli.checkpoint.formats import safetensors as _safetensors
+from clipcli.core.blocks import BLOCK
 from clipcli.core.norms import NormAccumulator
 from clipcli.errors import FileTypeError, MalformedError, MissingFileError, UnsupportedError, UsageError, WriteError
 from tests.helpers import (
@@ -898,7 +900,7 @@ class _Norms:
 
 @pytest.mark.parametrize("ord_", [2, 1, 3, np.inf])
 def test_the_engine_gives_the_same_bits_for_any_jobs_chunk_size_and_worker_kind(multi_chunk, monkeypatch, ord_):
-    from clipcli.checkpoint import _engine
+    from clipcli.checkpoint import engine as _engine
 
     results = set()
     with open_checkpoint(multi_chunk) as ckpt:
@@ -908,7 +910,7 @@ def test_the_engine_gives_the_same_bits_for_any_jobs_chunk_size_and_worker_kind(
                 monkeypatch.setattr(_engine, "CHUNK_BYTES", chunk)
                 monkeypatch.setattr(_engine, "_MIN_CHUNK", chunk)
                 monkeypatch.setattr(_engine, "_BYTES_PER_WORKER", 1)
-                parts = _engine.run(ckpt, ckpt.tensors, lambda: _Norms(ord_), jobs, kind=kind)
+                parts = _engine.run(ckpt, ckpt.tensors, lambda: _Norms(ord_), jobs, kind=kind, unit=BLOCK)
                 per_tensor = {t.name: NormAccumulator(ord_) for t in ckpt.tensors}
                 for accs in parts:
                     for name, acc in accs.items():
@@ -934,7 +936,7 @@ def _whole(ckpt, t, ord_):
 def test_map_chunks_keeps_order_with_threads(multi_chunk):
     with open_checkpoint(multi_chunk) as ckpt:
         expected = [(t.name, c.tobytes()) for t in ckpt.tensors for c in ckpt.chunks(t, 1 << 16)]
-        chunks = ckpt.map_chunks(ckpt.tensors, lambda t, offset, c: c.copy(), 3, 1 << 16)
+        chunks = ckpt.map_chunks(ckpt.tensors, lambda t, offset, c: c.copy(), 3, 1 << 16, unit=1)
         got = [(t.name, c.tobytes()) for t, c in chunks]
     assert got == expected
 
@@ -953,7 +955,7 @@ def test_error_lines_escape_control_characters_in_names(tmp_path):
 def test_written_bytes_are_handed_to_the_disk_as_the_write_goes(tmp_path, monkeypatch, suffix):
     # a clip should not fill the page cache and then wait in fsync: every WRITEBACK_BYTES the written
     # range is handed on (posix_fadvise DONTNEED starts its writeback); a refused hint changes nothing
-    from clipcli.checkpoint import _files
+    from clipcli.checkpoint import atomic as _files
 
     monkeypatch.setattr(_files, "WRITEBACK_BYTES", 1 << 20)
     tensors = {f"t{i}": np.full(300_000, i, np.float32) for i in range(8)}  # 9.2 MiB of data
@@ -989,10 +991,10 @@ def test_a_damaged_member_among_small_members_read_together_is_caught(tmp_path):
     raw[last] ^= 0x40
     path.write_bytes(bytes(raw))
     with open_checkpoint(path) as ckpt, pytest.raises(MalformedError, match=r"Bad CRC-32 for file 'm7\.npy'"):
-        from clipcli.checkpoint._engine import run
+        from clipcli.checkpoint.engine import run
         from clipcli.commands.measure import NormKernel
 
-        run(ckpt, ckpt.tensors, lambda: NormKernel(2.0), 1)
+        run(ckpt, ckpt.tensors, lambda: NormKernel(2.0), 1, unit=BLOCK)
 
 
 @pytest.mark.parametrize("dtype", ["<f8", "|b1", "<U3", ">i4", "<c16", "|u1", "<f2"])
@@ -1001,7 +1003,7 @@ def test_a_damaged_member_among_small_members_read_together_is_caught(tmp_path):
 def test_headers_np_save_writes_read_as_ast_reads_them(dtype, shape, fortran):
     import ast
 
-    from clipcli.checkpoint import _npy
+    from clipcli.checkpoint.formats import npy as _npy
 
     buf = io.BytesIO()
     np.save(buf, np.zeros(shape, dtype, order="F" if fortran else "C"))

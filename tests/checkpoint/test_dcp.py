@@ -26,8 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipcli.checkpoint._dcp import DcpTensor, _layout_error, is_dcp, read_dcp
-from clipcli.checkpoint._torch import is_contiguous, read_torch
+from clipcli.checkpoint.formats._dcp_layout import layout_error as _layout_error
+from clipcli.checkpoint.formats.dcp import DcpTensor, is_dcp, read_dcp
+from clipcli.checkpoint.formats.torch import is_contiguous, read_torch
 from clipcli.errors import (
     ClipcliError,
     MalformedError,

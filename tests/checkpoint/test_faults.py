@@ -267,7 +267,7 @@ def test_a_stop_just_as_the_temporary_file_is_created_removes_it(tmp_path, monke
     import tempfile
 
     from clipcli import _stops
-    from clipcli.checkpoint._files import atomic_write
+    from clipcli.checkpoint.atomic import atomic_write
     from clipcli.errors import Terminated
 
     real_mkstemp = tempfile.mkstemp
@@ -356,8 +356,8 @@ def test_read_only_target_exits_4(files, tmp_path):
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
 def test_simulated_full_disk(files, tmp_path, monkeypatch, suffix):
-    import clipcli.checkpoint as checkpoint
-    from clipcli.checkpoint import _npz
+    from clipcli.checkpoint import write as checkpoint
+    from clipcli.checkpoint.formats import npz as _npz
 
     written = []
 

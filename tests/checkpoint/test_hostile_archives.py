@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from clipcli.checkpoint import Checkpoint, TensorInfo, _sharded, open_checkpoint, plan, save
+from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint, plan, save
+from clipcli.checkpoint.formats import sharded as _sharded
 from tests.helpers import npy_header, raw_safetensors, run_bounded, st_bytes, zeros_npz
 
 
@@ -172,7 +173,7 @@ def test_fortran_order_compressed_member_is_not_held_twice(tmp_path: Path) -> No
 @pytest.mark.parametrize("shape", [(3, 1, 5, 7), (1, 9), (6, 1), (2, 0, 3)])
 def test_fortran_order_is_transposed_by_blocks(tmp_path: Path, shape: tuple[int, ...], monkeypatch) -> None:
     # issue 22 item 8: blocks of C-order rows (small blocks here) give the same bytes as a whole transposition
-    import clipcli.checkpoint as checkpoint
+    from clipcli.checkpoint import write as checkpoint
 
     monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 24)
     a = np.asfortranarray(np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape))

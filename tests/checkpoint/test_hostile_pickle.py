@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from clipcli.checkpoint import open_checkpoint
-from clipcli.checkpoint._files import file_format, sniff
-from clipcli.checkpoint._torch import read_torch
+from clipcli.checkpoint.formats.torch import read_torch
+from clipcli.checkpoint.registry import describe as sniff
+from clipcli.checkpoint.registry import file_format
 from clipcli.errors import MalformedError, UnsupportedError
 from tests.helpers import DATA, run_bounded, torch_legacy, torch_tensor_pickle, torch_zip_file, torchscript_jit
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from clipcli.checkpoint._files import Piece, Pieces
+from clipcli.checkpoint.tensor import Piece, Pieces
 from clipcli.cli import app
 from clipcli.errors import UnsupportedError
 from tests.helpers import dcp_checkpoint, dcp_two_regions, run_bounded, torch_view, torch_zip

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clipcli.checkpoint import Checkpoint, TensorInfo
-from clipcli.checkpoint._files import Piece, Pieces
+from clipcli.checkpoint.tensor import Piece, Pieces
 
 
 def _split(shape, cuts):

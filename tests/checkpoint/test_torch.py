@@ -32,8 +32,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipcli.checkpoint import _torch, open_checkpoint
-from clipcli.checkpoint._pickle import (
+from clipcli.checkpoint import open_checkpoint
+from clipcli.checkpoint.formats import _torch_names, _torch_records
+from clipcli.checkpoint.formats import torch as _torch
+from clipcli.checkpoint.formats._pickle import (
     PLAIN_GLOBALS,
     Constructor,
     PickledDict,
@@ -42,7 +44,7 @@ from clipcli.checkpoint._pickle import (
     unpickle,
     unpickle_at,
 )
-from clipcli.checkpoint._torch import is_contiguous, read_torch, shared_storages, view_byte_range
+from clipcli.checkpoint.formats.torch import is_contiguous, read_torch, shared_storages, view_byte_range
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsafePickleError, UnsupportedError
 from tests.helpers import DATA, PID, ROOT, Call, G, byte_mutations, ops, read_values, redirect_member, zip_file
 
@@ -841,14 +843,14 @@ def read_or_refuse(path: Path) -> str:
 @given(st.lists(st.tuples(st.sampled_from(OPCODES), st.binary(max_size=10)), max_size=40), st.booleans())
 def test_random_opcode_streams(program: list[tuple[bytes, bytes]], legacy: bool) -> None:
     data = b"".join(op + arg for op, arg in program) + b"."
-    storages = _torch._Storages(legacy=legacy)
+    storages = _torch_records.Storages(legacy=legacy)
     try:
-        unpickle(data, _torch._resolve, storages.persistent_load)
+        unpickle(data, _torch_records.resolve, storages.persistent_load)
     except ClipcliError as e:
         assert "\n" not in str(e)
 
 
-GLOBAL_NAMES = [name.rsplit(".", 1) for name in _torch._ALLOWED] + [["os", "system"], ["torch", "load"]]
+GLOBAL_NAMES = [name.rsplit(".", 1) for name in _torch_records._ALLOWED] + [["os", "system"], ["torch", "load"]]
 
 
 def torch_like_trees() -> st.SearchStrategy[Any]:
@@ -882,13 +884,13 @@ def torch_like_trees() -> st.SearchStrategy[Any]:
 @given(torch_like_trees(), st.booleans())
 def test_allowlisted_calls_on_random_arguments(tree: Any, legacy: bool) -> None:
     """Whatever the allowlisted constructors are handed, the result is a listing or one clipcli error."""
-    storages = _torch._Storages(legacy=legacy)
+    storages = _torch_records.Storages(legacy=legacy)
     program = pkl(tree)
     try:
-        root = unpickle(program, _torch._resolve, storages.persistent_load)
+        root = unpickle(program, _torch_records.resolve, storages.persistent_load)
         for s in storages.by_key.values():
             s.file_offset = 0
-        _torch._flatten(root, "root", storages, False, len(program))
+        _torch_names.flatten(root, "root", storages, False, len(program))
     except ClipcliError as e:
         assert "\n" not in str(e)
 
@@ -897,7 +899,7 @@ def test_allowlisted_calls_on_random_arguments(tree: Any, legacy: bool) -> None:
 @given(st.binary(max_size=200))
 def test_random_bytes(data: bytes) -> None:
     try:
-        unpickle(data, _torch._resolve, _torch._Storages(legacy=False).persistent_load)
+        unpickle(data, _torch_records.resolve, _torch_records.Storages(legacy=False).persistent_load)
     except ClipcliError as e:
         assert "\n" not in str(e)
 
@@ -929,15 +931,26 @@ def test_the_parsers_import_no_torch() -> None:
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         assert not any(name.split(".")[0] == "torch" for name in names), source
-        if source.name in ("_pickle.py", "_torch.py"):
+        if source.parent.name == "formats" and source.name in (
+            "_pickle.py",
+            "torch.py",
+            "_torch_records.py",
+            "_torch_names.py",
+        ):
             for name in names:
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names or top in ("numpy", "ml_dtypes", "clipcli"), name
                 assert top != "clipcli" or name in (
-                    "clipcli.checkpoint",  # TensorInfo, for open_file
+                    "clipcli.checkpoint.tensor",  # TensorInfo, for open_file
+                    "clipcli.checkpoint.plugin",  # the FORMAT record
+                    "clipcli.checkpoint.registry",  # what a file that is no torch.save file is, for a message
+                    "clipcli.checkpoint.zipmember",
+                    "clipcli.checkpoint.source",  # the store it reads through
                     "clipcli.errors",
-                    "clipcli.checkpoint._pickle",
-                    "clipcli.checkpoint._files",
+                    "clipcli.checkpoint.formats._pickle",
+                    "clipcli.checkpoint.formats._torch_records",
+                    "clipcli.checkpoint.formats._torch_names",
+                    "clipcli.checkpoint.formats._common",
                     "clipcli.report",  # printable, to escape what a file names in a skip reason
                 )
 
@@ -1024,8 +1037,8 @@ def test_hand_written_pickles_load_in_torch(tmp_path: Path) -> None:
 def test_dtype_tables_agree_with_torch() -> None:
     torch = pytest.importorskip("torch")
     for dtype, cls in torch.storage._dtype_to_storage_type_map().items():
-        assert _torch._STORAGE_CLASSES[cls] == str(dtype).removeprefix("torch.")
-    for name, d in _torch._DTYPES.items():
+        assert _torch_records._STORAGE_CLASSES[cls] == str(dtype).removeprefix("torch.")
+    for name, d in _torch_records._DTYPES.items():
         assert getattr(torch, name).itemsize == d.itemsize, name
         if d.array is not None and d.array.type.__module__ == "numpy":  # torch has no NumPy bfloat16 or float8
             assert torch.empty(0, dtype=getattr(torch, name)).numpy().dtype == d.array
@@ -1033,7 +1046,7 @@ def test_dtype_tables_agree_with_torch() -> None:
 
 def test_ml_dtypes_names_are_numpy_names() -> None:
     assert np.dtype(ml_dtypes.bfloat16).name == "bfloat16"
-    assert {d.name for d in _torch._DTYPES.values() if d.array is not None} >= {"float8_e4m3fn", "bool"}
+    assert {d.name for d in _torch_records._DTYPES.values() if d.array is not None} >= {"float8_e4m3fn", "bool"}
 
 
 # -- memory -------------------------------------------------------------------------------------------------

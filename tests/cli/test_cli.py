@@ -1306,7 +1306,8 @@ def test_a_safetensors_run_imports_no_reader_it_does_not_need(tmp_path):
     # found profiling start-up: every run imported PyTorch's reader, the thread pool (with logging) and tempfile;
     # they are imported when a file or a write needs them
     src = write_st(tmp_path / "few.safetensors", {f"t{i}": np.ones(2, np.float32) for i in range(3)})
-    unneeded = ["clipcli.checkpoint._torch", "clipcli.checkpoint._dcp", "clipcli.checkpoint._pickle",
+    unneeded = ["clipcli.checkpoint.formats.torch", "clipcli.checkpoint.formats.dcp",
+                "clipcli.checkpoint.formats._pickle", "clipcli.checkpoint.formats.npz", "zipfile",
                 "concurrent.futures", "tempfile"]  # fmt: skip
     code = (
         "import sys; from clipcli.cli import main\n"

@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from clipcli import core
-from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.checkpoint import engine as _engine
+from clipcli.checkpoint import open_checkpoint
 from clipcli.core.blocks import BLOCK
 from clipcli.core.differences import DiffAccumulator
 from tests.helpers import DATA, SAMPLES, js, ok, run, write_st

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from clipcli.checkpoint import _engine, open_checkpoint
+from clipcli.checkpoint import engine as _engine
+from clipcli.checkpoint import open_checkpoint
 from clipcli.commands.diff import DiffOptions, diff
 from clipcli.core.blocks import BLOCK
 from clipcli.core.differences import DiffAccumulator

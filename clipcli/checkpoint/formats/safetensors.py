@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import operator
-import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -14,10 +13,15 @@ from typing import Any, BinaryIO, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from clipcli.checkpoint._files import MAX_COUNT, SAFETENSORS, UNKNOWN, Span, gc_paused, read_head, sniff, write_data
+from clipcli.checkpoint.atomic import write_data
+from clipcli.checkpoint.formats._common import gc_paused
+from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.source import LOCAL, Store, size_of
+from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
+SAFETENSORS = "a safetensors file"
 _JSON_SPACE = b" \t\r\n"
 
 
@@ -117,15 +121,15 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     """
     prefix = f.read(8)
     if len(prefix) < 8:
-        raise _not_safetensors(path, f"only {size} bytes, too short for a safetensors header")
+        raise _not_safetensors(path, f, f"only {size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER:
-        raise _not_safetensors(path, f"header length {n} exceeds the limit of {MAX_HEADER} bytes")
+        raise _not_safetensors(path, f, f"header length {n} exceeds the limit of {MAX_HEADER} bytes")
     if 8 + n > size:
-        raise _not_safetensors(path, f"header length {n} runs past the end of the file ({size} bytes)")
+        raise _not_safetensors(path, f, f"header length {n} runs past the end of the file ({size} bytes)")
     raw = f.read(n)
     if raw.lstrip(_JSON_SPACE)[:1] != b"{":  # the reference reader takes JSON whitespace before it
-        raise _not_safetensors(path, "the header does not start with '{'")
+        raise _not_safetensors(path, f, "the header does not start with '{'")
     try:
         # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
         # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
@@ -172,12 +176,10 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     return metadata, entries
 
 
-def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
+def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a .safetensors file, from its header alone."""
-    from clipcli.checkpoint import TensorInfo
-
-    with open(path, "rb") as f, gc_paused():
-        metadata, entries = read_header(path, f, os.fstat(f.fileno()).st_size)
+    with store.open(path) as f, gc_paused():
+        metadata, entries = read_header(path, f, size_of(f))
         file = str(path)
         return metadata, [
             TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
@@ -187,18 +189,23 @@ def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
 
 def write(
     f: BinaryIO,
-    tensors: list[Any],
+    tensors: list[TensorInfo],
     metadata: dict[str, str],
-    chunks: Callable[[Any], Iterable[np.ndarray]],
-    expect: Callable[[Any, int], None],
+    chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
+    expect: Callable[[TensorInfo, int], None],
 ) -> None:
     """Writes a header for the tensors, then their data in C order, in the order given."""
-    f.write(header_bytes([(t.name, dtype_of(t), t.shape, t.nbytes) for t in tensors], metadata))
+    f.write(header(tensors, metadata))
     for t in tensors:
         expect(t, write_data(f, chunks(t)))
 
 
-def dtype_of(t: Any) -> Dtype:
+def header(tensors: list[TensorInfo], metadata: dict[str, str]) -> bytes:
+    """The header of a file of these tensors, laid out in order."""
+    return header_bytes([(t.name, dtype_of(t), t.shape, t.nbytes) for t in tensors], metadata)
+
+
+def dtype_of(t: TensorInfo) -> Dtype:
     """The safetensors dtype of a tensor: of its array type, or by name for types carried as bytes.
 
     Raises:
@@ -216,10 +223,13 @@ def _short(e: Exception) -> str:
     return str(e).split("\n")[0][:120]
 
 
-def _not_safetensors(path: Path, reason: str) -> Exception:
+def _not_safetensors(path: Path, f: BinaryIO, reason: str) -> Exception:
     """A FileTypeError naming what the file really is, or a MalformedError when it is nothing else."""
-    what = sniff(read_head(path))
-    if what in (SAFETENSORS, UNKNOWN):
+    from clipcli.checkpoint import registry  # here: only a file that is no safetensors needs every format
+
+    f.seek(0)
+    what = registry.describe(f.read(registry.HEAD_BYTES))
+    if what in (SAFETENSORS, registry.UNKNOWN):
         return MalformedError(reason, path)
     return FileTypeError(f"not a safetensors file: {what}", path)
 
@@ -330,3 +340,26 @@ def dtype_for(array_dtype: np.dtype) -> Dtype:
     if d is None:
         raise UnsupportedError(f"safetensors has no dtype for {np.dtype(array_dtype).name}")
     return d
+
+
+def _sniff(head: bytes, f: BinaryIO | None = None) -> bool:
+    """A little-endian header length below 4 GiB, then a JSON object (after JSON whitespace)."""
+    return len(head) >= 9 and head[8:].lstrip(_JSON_SPACE)[:1] == b"{" and int.from_bytes(head[:8], "little") < 1 << 32
+
+
+def _describe_head(head: bytes) -> str | None:
+    return SAFETENSORS if _sniff(head) else None
+
+
+FORMAT = Format(
+    "safetensors",
+    (".safetensors",),
+    sniff=_sniff,
+    describe=_describe_head,
+    open_file=open_file,
+    write=write,
+    header=header,
+    check_tensor=dtype_of,
+    c_order=True,
+    layout_keys=frozenset({"format"}),
+)

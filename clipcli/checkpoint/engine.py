@@ -10,23 +10,17 @@ or the caller itself for one worker or a small input. `map_chunks` keeps order, 
 from __future__ import annotations
 
 import collections
-import contextlib
-import gc
 import math
 import os
-import pickle
-import select
-import signal
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from clipcli._stops import StopsHeld, ignore_in_worker
-from clipcli.checkpoint._files import Span
-from clipcli.core.blocks import BLOCK
+from clipcli.checkpoint import workers
+from clipcli.checkpoint.decode import as_values, decode, stored_type
+from clipcli.checkpoint.tensor import Span
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -59,7 +53,7 @@ class Reader(Protocol):
 
     def pread(self, t: Any, offset: int, buf: np.ndarray) -> None: ...
 
-    def chunks(self, t: Any, max_bytes: int = CHUNK_BYTES, align: int = 1) -> Iterator[np.ndarray]: ...
+    def chunks(self, t: Any, max_bytes: int = CHUNK_BYTES, align: int = 1, unit: int = 1) -> Iterator[np.ndarray]: ...
 
     def forget_handles(self) -> None: ...
 
@@ -105,7 +99,7 @@ def chunk_bytes(jobs: int) -> int:
     return max(_MIN_CHUNK, min(CHUNK_BYTES, BUFFER_BUDGET // max(jobs, 1)))
 
 
-def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[str, int]) -> list[_Task]:
+def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[str, int], unit: int) -> list[_Task]:
     tasks: list[_Task] = []
     run: list[int] = []  # small tensors lying one after another in one file
 
@@ -130,25 +124,25 @@ def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[s
             run.append(i)
             continue
         flush()
-        _, per_chunk = geometry(t, max_bytes, align.get(t.name, 1))
+        _, per_chunk = geometry(t, max_bytes, align.get(t.name, 1), unit)
         tasks += [_Task((i,), offset, n) for offset, n in spans(t.nbytes, per_chunk)]
     flush()
     return tasks
 
 
-def geometry(t: Any, max_bytes: int, align: int) -> tuple[np.dtype, int]:
+def geometry(t: Any, max_bytes: int, align: int, unit: int = 1) -> tuple[np.dtype, int]:
     """The dtype a tensor's bytes are read as, and the bytes in each chunk but the last.
 
     Chunks hold whole multiples of `align` elements (rows), at least one, whatever `max_bytes` says; and
-    whole blocks of the norms (BLOCK values) where the rows allow it within a few chunks' worth, so that
-    a worker never holds a block's parts waiting for the rest from another.
+    whole `unit`s (the caller's blocks: the norms' BLOCK values) where the rows allow it within a few chunks'
+    worth, so that a worker never holds a block's parts waiting for the rest from another.
     """
-    dtype = t.stored_dtype or t.array_dtype or np.dtype(np.uint8)
+    dtype = stored_type(t)
     if t.array_dtype is None:
         per_chunk = max(max_bytes, 1)
     else:
         align = max(align, 1)  # a row of a tensor with a zero-length dimension holds no values
-        unit = math.lcm(align, BLOCK)
+        unit = math.lcm(align, unit)
         if unit * dtype.itemsize > 4 * max_bytes:
             unit = align
         per_chunk = max(max_bytes // (dtype.itemsize * unit), 1) * unit * dtype.itemsize
@@ -161,12 +155,6 @@ def spans(total: int, per_chunk: int) -> Iterator[tuple[int, int]]:
         yield offset, min(per_chunk, total - offset)
 
 
-def as_values(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Bytes viewed as values of `dtype`, byte-swapped into native order if need be."""
-    values = raw.view(dtype)
-    return values if dtype.isnative else values.astype(dtype.newbyteorder("="))
-
-
 def run(
     reader: Reader,
     tensors: Sequence[Any],
@@ -174,9 +162,13 @@ def run(
     jobs: int = 1,
     align: dict[str, int] | None = None,
     progress: Callable[[int], None] | None = None,
+    *,
+    unit: int,
     kind: str | None = None,
 ) -> list[Any]:
     """Runs a kernel over every chunk of `tensors` with `jobs` workers; returns each worker's `result()`.
+
+    Chunks hold whole multiples of `unit` elements where the rows allow (see `geometry`).
 
     Fewer workers than `jobs` run where the input is small, or where more would not fit the memory budget.
 
@@ -191,8 +183,8 @@ def run(
     total = sum(t.nbytes for t in tensors)
     jobs = max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
     max_bytes = chunk_bytes(jobs)
-    tasks = _tasks(reader, tensors, max_bytes, align)
-    work = _Worker(reader, tensors, tasks, make_kernel, max_bytes, align)
+    tasks = _tasks(reader, tensors, max_bytes, align, unit)
+    work = _Worker(reader, tensors, tasks, make_kernel, max_bytes, align, unit)
     return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
 
 
@@ -211,9 +203,10 @@ class _Worker:
         make_kernel: Callable[[], Any],
         max_bytes: int,
         align: dict[str, int],
+        unit: int = 1,
     ):
         self.reader, self.tensors, self.tasks = reader, tensors, tasks
-        self.make_kernel, self.max_bytes, self.align = make_kernel, max_bytes, align
+        self.make_kernel, self.max_bytes, self.align, self.unit = make_kernel, max_bytes, align, unit
         self.readers = [reader]
 
     def all(self, progress: Callable[[int], None]) -> Any:
@@ -244,7 +237,7 @@ class _Worker:
             t = self.tensors[task.tensors[0]]
             buf = buffers.get(task.nbytes)
             self.reader.pread(t, task.offset, buf)
-            kernel.chunk(t, task.offset, as_values(buf, t.stored_dtype or t.array_dtype or np.dtype(np.uint8)))
+            kernel.chunk(t, task.offset, decode(buf, t))
             progress(task.nbytes)
 
     def _batch(self, kernel: Kernel, ts: list[Any], progress: Callable[[int], None], buffers: _Buffers) -> None:
@@ -263,12 +256,12 @@ class _Worker:
         else:
             for t in ts:
                 at = t.location.offset - start
-                kernel.chunk(t, 0, as_values(buf[at : at + t.nbytes], t.stored_dtype or t.array_dtype))
+                kernel.chunk(t, 0, decode(buf[at : at + t.nbytes], t))
         progress(n)
 
     def _stream(self, kernel: Kernel, t: Any, progress: Callable[[int], None]) -> None:
         offset = 0
-        for values in self.reader.chunks(t, self.max_bytes, self.align.get(t.name, 1)):
+        for values in self.reader.chunks(t, self.max_bytes, self.align.get(t.name, 1), self.unit):
             kernel.chunk(t, offset, values)
             offset += values.nbytes
             progress(values.nbytes)
@@ -426,8 +419,8 @@ class _PairWorker(_Worker):
         """Both tensors streamed in chunks of the same element count (a multiple of the block)."""
         items = (_itemsize(a), _itemsize(b))
         n = max(self.max_bytes // max(items) // self.block, 1) * self.block
-        chunks_a = self.readers[0].chunks(a, n * items[0])
-        chunks_b = self.readers[1].chunks(b, n * items[1])
+        chunks_a = self.readers[0].chunks(a, n * items[0], unit=self.block)
+        chunks_b = self.readers[1].chunks(b, n * items[1], unit=self.block)
         start = 0
         for va, vb in zip(chunks_a, chunks_b, strict=True):
             kernel.pair(i, start, va, vb, _equal_values(va, vb))
@@ -465,15 +458,11 @@ def _itemsize(t: Any) -> int:
     return t.array_dtype.itemsize if t.array_dtype is not None else 1
 
 
-def _stored(t: Any) -> np.dtype:
-    return t.stored_dtype or t.array_dtype or np.dtype(np.uint8)
-
-
 def pair_values(a: Any, b: Any, raw_a: np.ndarray, raw_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     """The values of a pair's bytes read (of tensors `a` and `b`), and whether they are the same: the same
     dtype and bits."""
-    va, vb = as_values(raw_a, _stored(a)), as_values(raw_b, _stored(b))
-    return va, vb, _equal_bytes(raw_a, raw_b) if _stored(a) == _stored(b) else _equal_values(va, vb)
+    va, vb = decode(raw_a, a), decode(raw_b, b)
+    return va, vb, _equal_bytes(raw_a, raw_b) if stored_type(a) == stored_type(b) else _equal_values(va, vb)
 
 
 def _equal_values(x: np.ndarray, y: np.ndarray) -> bool:
@@ -524,167 +513,8 @@ def _dispatch(work: Any, jobs: int, total: int, kind: str | None, progress: Call
     if kind == "inline":
         return [work.all(progress or _ignore)]
     if kind == "threads":
-        return _in_threads(work, jobs, progress or _ignore)
-    return _in_processes(work, jobs, progress or _ignore)
-
-
-def _in_threads(work: _Worker, jobs: int, progress: Callable[[int], None]) -> list[Any]:
-    lock = threading.Lock()
-    counter = iter(range(len(work.tasks)))
-    stop = threading.Event()
-    results: list[Any] = [None] * jobs
-    errors: list[BaseException] = []
-
-    def take() -> int:
-        with lock:
-            return next(counter)
-
-    def report(n: int) -> None:
-        with lock:
-            progress(n)
-
-    def worker(k: int) -> None:
-        try:
-            results[k] = work.loop(take, report, stop)
-        except BaseException as e:
-            errors.append(e)
-            stop.set()
-
-    threads = [threading.Thread(target=worker, args=(k,), name=f"clipcli-{k}") for k in range(jobs)]
-    for thread in threads:
-        thread.start()
-    try:
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.1)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def _in_processes(work: _Worker, jobs: int, progress: Callable[[int], None]) -> list[Any]:
-    """Forked workers: each takes task numbers from a shared counter, counts its bytes in shared memory,
-    and sends back its kernel's result (or its error) through a pipe of its own."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    counter = ctx.Value("q", 0)
-    done = ctx.Array("q", jobs, lock=False)
-    children: dict[int, tuple[int, int]] = {}  # read end -> (pid, worker)
-    try:
-        for k in range(jobs):
-            r, w = os.pipe()
-            gc.freeze()  # objects made so far stay out of the workers' collections: their pages stay shared
-            with warnings.catch_warnings(), StopsHeld():
-                # Python 3.12+ warns that a process with threads (NumPy's BLAS pool) forks: the workers
-                # use neither BLAS nor any lock those threads could hold.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-                if pid == 0:  # pragma: no cover (a worker: it never returns)
-                    ignore_in_worker()
-            if pid == 0:  # pragma: no cover
-                os.close(r)
-                _child(work, k, counter, done, w)
-            os.close(w)
-            children[r] = (pid, k)
-        return _gather(children, jobs, done, progress, work.readers)
-    finally:
-        gc.unfreeze()
-        for r, (pid, _) in children.items():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.close(r)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-
-
-def _child(work: _Worker, k: int, counter: Any, done: Any, w: int) -> None:  # pragma: no cover
-    """A worker process: runs its share, writes its pickled outcome to `w`, and exits without cleanup."""
-    status = 0
-    try:
-        gc.disable()  # a worker makes little garbage, and a collection would write to every shared page
-        _die_with_parent()
-        for reader in work.readers:
-            reader.forget_handles()
-
-        def take() -> int:
-            with counter.get_lock():
-                i = counter.value
-                counter.value = i + 1
-            return i
-
-        def report(n: int) -> None:
-            done[k] += n
-
-        try:
-            result = work.loop(take, report)
-            outcome: tuple[str, Any] = ("ok", (result, [r.take_read_log() for r in work.readers]))
-        except BaseException as e:
-            outcome = ("error", e)
-        try:
-            data = pickle.dumps(outcome)
-        except Exception as e:
-            data = pickle.dumps(("error", RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]} ({e})")))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(w, view) :]
-    except BaseException:
-        status = 1
-    finally:
-        os._exit(status)
-
-
-def _die_with_parent() -> None:  # pragma: no cover (in a worker)
-    """Linux: a worker is killed when its parent dies (kill -9), instead of running on alone."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _gather(
-    children: dict[int, tuple[int, int]], jobs: int, done: Any, progress: Callable[[int], None], readers: list
-) -> list:
-    results: list[Any] = [None] * jobs
-    buffers: dict[int, list[bytes]] = {r: [] for r in children}
-    open_ends = set(children)
-    reported = 0
-    while open_ends:
-        ready, _, _ = select.select(list(open_ends), [], [], 0.1)
-        for r in ready:
-            data = os.read(r, 1 << 20)
-            if data:
-                buffers[r].append(data)
-                continue
-            open_ends.discard(r)
-            pid, k = children.pop(r)
-            _, status = os.waitpid(pid, 0)
-            os.close(r)
-            raw = b"".join(buffers[r])
-            if not raw:
-                raise RuntimeError(f"worker {k} died ({_describe(status)})")
-            state, value = pickle.loads(raw)
-            if state == "error":
-                raise value
-            results[k], logs = value
-            for reader, log in zip(readers, logs, strict=True):
-                reader.add_read_log(log)
-        now = int(sum(done))
-        if now > reported:
-            progress(now - reported)
-            reported = now
-    return results
-
-
-def _describe(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"signal {os.WTERMSIG(status)}"
-    return f"exit status {os.WEXITSTATUS(status)}"
+        return workers.in_threads(work, jobs, progress or _ignore)
+    return workers.in_processes(work, jobs, progress or _ignore)
 
 
 def map_chunks(
@@ -694,6 +524,8 @@ def map_chunks(
     jobs: int = 1,
     max_bytes: int | None = None,
     align: dict[str, int] | None = None,
+    *,
+    unit: int,
 ) -> Iterator[tuple[Any, R]]:
     """`fn(tensor, offset, chunk)` for every chunk of every tensor, in order, computed by `jobs` threads.
 
@@ -709,14 +541,14 @@ def map_chunks(
     if jobs <= 1 or not all(reader.random_access(t) for t in tensors):
         for t in tensors:
             offset = 0
-            for chunk in reader.chunks(t, max_bytes, align.get(t.name, 1)):
+            for chunk in reader.chunks(t, max_bytes, align.get(t.name, 1), unit):
                 yield t, fn(t, offset, chunk)
                 offset += chunk.nbytes
         return
 
     def tasks() -> Iterator[tuple[Any, int, int, np.dtype]]:
         for t in tensors:
-            dtype, per_chunk = geometry(t, max_bytes, align.get(t.name, 1))
+            dtype, per_chunk = geometry(t, max_bytes, align.get(t.name, 1), unit)
             for offset, n in spans(t.nbytes, per_chunk):
                 yield t, offset, n, dtype
 

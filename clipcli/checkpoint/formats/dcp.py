@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -48,29 +46,26 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.checkpoint._files import Piece, Pieces, check_elements
-from clipcli.checkpoint._pickle import Constructor, Record, kind, unpickle
-from clipcli.checkpoint._torch import (
+from clipcli.checkpoint.formats._dcp_layout import layout_error
+from clipcli.checkpoint.formats._dcp_records import DcpObject, resolve
+from clipcli.checkpoint.formats._pickle import kind, unpickle
+from clipcli.checkpoint.formats.torch import (
     MAX_PICKLE,
     TorchTensor,
     dtype_of,
     is_contiguous,
     read_torch,
-    resolve_global,
     view_byte_range,
 )
+from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.source import LOCAL, Store, size_of
+from clipcli.checkpoint.tensor import Piece, Pieces, TensorInfo, check_elements
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
 
 __all__ = ["METADATA", "DcpChunk", "DcpTensor", "is_dcp", "read_dcp"]
 
 METADATA = ".metadata"
 _MAX_INDEX = 1 << 63  # sizes and offsets are int64 in torch
-# Chunk layouts are checked by a sweep that splits the chunks at their bounds, one dimension after another
-# (see _layout_error): real sharding splits one to three dimensions, and its chunks' bounds meet, so the
-# sweep's work is a few steps a chunk. More dimensions than this, or more steps, are refused.
-_MAX_SPLIT_DIMS = 16
-_MAX_SWEEP_STEPS = 1 << 22
-_MAX_PAIR_CHECKS = 1_000_000  # comparisons spent naming two overlapping chunks in a message
 _RENAMES = 1_000_000  # names that a byte range named by several entries may make again, at least
 # what names the metadata class in the first bytes of a .metadata pickle (Megatron's subclass included)
 _SIGNATURES = (b"torch.distributed.checkpoint", b"megatron.core.dist_checkpointing")
@@ -102,12 +97,10 @@ class DcpTensor:
     skip_reason: str | None
 
 
-def open_directory(directory: Path) -> tuple[dict[str, str], list[Any]]:
+def open_directory(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a distributed checkpoint, each tensor read in its own C order from its
     chunks (`Pieces`), never consolidated."""
-    from clipcli.checkpoint import TensorInfo
-
-    metadata, tensors = read_dcp(directory)
+    metadata, tensors = read_dcp(directory, store)
     out = []
     for t in tensors:
         first = str(t.chunks[0].file) if t.chunks else str(directory)
@@ -129,7 +122,7 @@ def _piece(c: DcpChunk) -> Piece:
     return Piece(c.offsets, c.sizes, str(c.file), start, strides)
 
 
-def is_dcp(directory: Path) -> bool:
+def is_dcp(directory: Path, store: Store = LOCAL) -> bool:
     """Whether `directory` holds a `.metadata` file that looks like a distributed checkpoint's.
 
     Only the file's first bytes are read: a pickle (protocol 2 to 5) that names DCP's or Megatron's
@@ -137,16 +130,16 @@ def is_dcp(directory: Path) -> bool:
     """
     path = Path(directory) / METADATA
     try:
-        if not path.is_file():
+        if store.kind(path) != "file":
             return False
-        with open(path, "rb") as f:
+        with store.open(path) as f:
             head = f.read(1024)
     except OSError:
         return False
     return len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and any(s in head for s in _SIGNATURES)
 
 
-def read_dcp(directory: Path) -> tuple[dict[str, str], list[DcpTensor]]:
+def read_dcp(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[DcpTensor]]:
     """The non-tensor items (as metadata) and the tensors of a distributed checkpoint, checked.
 
     Reads `.metadata` and, for every chunk and item, the torch.save file's directory and pickle; never
@@ -155,6 +148,7 @@ def read_dcp(directory: Path) -> tuple[dict[str, str], list[DcpTensor]]:
 
     Args:
         directory: the checkpoint's directory (the one holding `.metadata`).
+        store: where its files are (by default the file system).
 
     Returns:
         The non-tensor items by name, rendered as text, and the tensors in the order of `.metadata`.
@@ -168,11 +162,11 @@ def read_dcp(directory: Path) -> tuple[dict[str, str], list[DcpTensor]]:
     """
     directory = Path(directory)
     where = directory / METADATA
-    root = _read_metadata(where)
+    root = _read_metadata(where, store)
     try:
         _check_version(root)
         items = _state_dict_items(root)
-        files = _Files(directory, _locations(root), where)
+        files = _Files(directory, _locations(root), where, store)
     except ClipcliError as e:
         e.path = e.path or str(where)
         raise
@@ -200,138 +194,14 @@ def read_dcp(directory: Path) -> tuple[dict[str, str], list[DcpTensor]]:
     return metadata, tensors
 
 
-# -- what the pickle builds ----------------------------------------------------------------------
-
-
-class _Object(Record):
-    """An instance of one of DCP's dataclasses: its class's short name and the attributes BUILD sets."""
-
-    def __init__(self, cls: str):
-        self.cls = cls
-        self.attrs: dict[str, Any] = {}
-
-    def describe(self) -> str:
-        return self.cls
-
-    def build(self, state: Any) -> None:
-        if type(state) is tuple and len(state) == 2 and state[1] is None:  # (dict, slots) as Python pickles it
-            state = state[0]
-        if not isinstance(state, dict) or not all(type(k) is str for k in state):
-            raise MalformedError(f"the pickle sets the attributes of a {self.cls} from a {kind(state)}")
-        self.attrs.update(state)
-
-    def get(self, name: str) -> Any:
-        return self.attrs.get(name)
-
-
-class _Properties(_Object):
-    """TensorProperties, pickled as the tuple (dtype, layout, requires_grad, memory format, pin_memory)."""
-
-    def build(self, state: Any) -> None:
-        if type(state) is tuple and len(state) == 5:
-            self.attrs["dtype"] = state[0]
-        else:
-            super().build(state)
-
-
-class _Member(Record):
-    """A member of one of DCP's enums (a memory format, a write item's type), by its value."""
-
-    def __init__(self, cls: str, value: int):
-        self.cls = cls
-        self.value = value
-
-    def describe(self) -> str:
-        return self.cls
-
-
-_CHECKPOINT = "torch.distributed.checkpoint"
-_SHARDED = "torch.distributed._shard.sharded_tensor.metadata"  # torch's ShardedTensor (Megatron's, FSDP1's)
-_MEGATRON = "megatron.core.dist_checkpointing.strategies.torch"
-
-# Every class DCP's metadata names, by the short name clipcli knows it by. The save plans, write items
-# and storage prefixes appear only in Megatron's metadata (all_local_plans): they are read, never used.
-_CLASSES = {
-    f"{_CHECKPOINT}.metadata.Metadata": "Metadata",
-    f"{_MEGATRON}.MCoreMetadata": "Metadata",
-    f"{_CHECKPOINT}.metadata.TensorStorageMetadata": "TensorStorageMetadata",
-    f"{_CHECKPOINT}.metadata.BytesStorageMetadata": "BytesStorageMetadata",
-    f"{_CHECKPOINT}.metadata.ChunkStorageMetadata": "ChunkStorageMetadata",
-    f"{_CHECKPOINT}.metadata.TensorProperties": "TensorProperties",
-    f"{_SHARDED}.TensorProperties": "TensorProperties",
-    f"{_CHECKPOINT}.metadata.MetadataIndex": "MetadataIndex",
-    f"{_CHECKPOINT}.metadata.StorageMeta": "StorageMeta",
-    f"{_CHECKPOINT}.filesystem._StorageInfo": "_StorageInfo",
-    f"{_CHECKPOINT}.filesystem._StoragePrefix": "_StoragePrefix",
-    f"{_CHECKPOINT}.planner.SavePlan": "SavePlan",
-    f"{_MEGATRON}.MCoreSavePlan": "SavePlan",
-    f"{_CHECKPOINT}.planner.WriteItem": "WriteItem",
-    f"{_CHECKPOINT}.planner.TensorWriteData": "TensorWriteData",
-}
-# enums, pickled as a call of the class with the member's value
-_ENUMS = {
-    f"{_CHECKPOINT}.metadata._MEM_FORMAT_ENCODING": range(3),
-    f"{_SHARDED}.MEM_FORMAT_ENCODING": range(3),
-    f"{_CHECKPOINT}.planner.WriteItemType": range(1, 4),
-}
-# StorageMeta.checkpoint_id, pickled as a call with the path's parts (pathlib._local: Python 3.13)
-_PATHS = {"pathlib.PosixPath", "pathlib._local.PosixPath", "pathlib.WindowsPath", "pathlib._local.WindowsPath"}
-_TORCH_FUNCTIONS = {"torch.Size", "torch.serialization._get_layout"}  # and every dtype: see _resolve
-
-
-def _object_maker(name: str, short: str) -> Constructor:
-    record = _Properties if short == "TensorProperties" else _Object
-
-    def make(*args: Any, **kwargs: Any) -> _Object:
-        if args or kwargs:  # dataclasses pickle as cls.__new__(cls), then BUILD
-            raise MalformedError(f"the pickle creates a {name} with arguments")
-        return record(short)
-
-    return Constructor(name, make, newobj=True)
-
-
-def _enum_maker(name: str, values: range) -> Constructor:
-    def make(value: Any) -> _Member:
-        if type(value) is not int or value not in values:
-            raise MalformedError(f"the pickle asks for a {name} that does not exist")
-        return _Member(name, value)
-
-    return Constructor(name, make)
-
-
-def _path(*parts: Any) -> str:
-    if not all(type(p) is str for p in parts):
-        raise MalformedError("the pickle builds a path from something other than strings")
-    return "/".join(parts)
-
-
-def _allowlist() -> dict[str, Any]:
-    allowed: dict[str, Any] = {name: _object_maker(name, short) for name, short in _CLASSES.items()}
-    allowed.update({name: _enum_maker(name, values) for name, values in _ENUMS.items()})
-    allowed.update({name: Constructor(name, _path) for name in _PATHS})
-    allowed.update({name: resolve_global(*name.rsplit(".", 1)) for name in _TORCH_FUNCTIONS})
-    return allowed
-
-
-_ALLOWED = _allowlist()
-
-
-def _resolve(module: str, name: str) -> Any:
-    found = _ALLOWED.get(f"{module}.{name}")
-    if found is None and module == "torch":
-        dtype = resolve_global(module, name)
-        return dtype if dtype_of(dtype) is not None else None
-    return found
-
-
 # -- .metadata ---------------------------------------------------------------------------------------
 
 
-def _read_metadata(where: Path) -> _Object:
+def _read_metadata(where: Path, store: Store) -> DcpObject:
     """The unpickled `.metadata`: DCP's Metadata (or Megatron's subclass)."""
     try:
-        with open(where, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with store.open(where) as f:
+            size = size_of(f)
             if size > MAX_PICKLE:
                 raise MalformedError(f"{size} bytes of metadata, more than clipcli reads ({MAX_PICKLE})", where)
             data = f.read(size + 1)
@@ -340,16 +210,16 @@ def _read_metadata(where: Path) -> _Object:
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", where) from e
     try:
-        root = unpickle(data, _resolve)
+        root = unpickle(data, resolve)
     except ClipcliError as e:
         e.path = str(where)
         raise
-    if not (isinstance(root, _Object) and root.cls == "Metadata"):
+    if not (isinstance(root, DcpObject) and root.cls == "Metadata"):
         raise MalformedError(f"the pickle holds a {kind(root)}, not a distributed checkpoint's Metadata", where)
     return root
 
 
-def _state_dict_items(root: _Object) -> list[tuple[str, _Object]]:
+def _state_dict_items(root: DcpObject) -> list[tuple[str, DcpObject]]:
     """(name, TensorStorageMetadata or BytesStorageMetadata) for each item of `state_dict_metadata`."""
     items = root.get("state_dict_metadata")
     if not isinstance(items, dict):
@@ -358,7 +228,7 @@ def _state_dict_items(root: _Object) -> list[tuple[str, _Object]]:
     for fqn, entry in items.items():
         if type(fqn) is not str:
             raise MalformedError(f"state_dict_metadata has a {kind(fqn)} as a name")
-        if not (isinstance(entry, _Object) and entry.cls in ("TensorStorageMetadata", "BytesStorageMetadata")):
+        if not (isinstance(entry, DcpObject) and entry.cls in ("TensorStorageMetadata", "BytesStorageMetadata")):
             raise MalformedError(f"the item is a {kind(entry)}, not tensor or bytes metadata", tensor=fqn)
         out.append((fqn, entry))
     return out
@@ -378,7 +248,7 @@ class _Location:
 _Locations = dict[tuple[str, tuple[int, ...] | None], _Location]
 
 
-def _locations(root: _Object) -> _Locations:
+def _locations(root: DcpObject) -> _Locations:
     """`storage_data` by (name, chunk offsets); the offsets are None for a non-tensor item."""
     data = root.get("storage_data")
     if data is None:
@@ -387,13 +257,13 @@ def _locations(root: _Object) -> _Locations:
         raise MalformedError(f"storage_data is a {kind(data)}, not a dict")
     out: _Locations = {}
     for index, info in data.items():
-        if not (isinstance(index, _Object) and index.cls == "MetadataIndex"):
+        if not (isinstance(index, DcpObject) and index.cls == "MetadataIndex"):
             raise MalformedError(f"storage_data is keyed by a {kind(index)}, not a MetadataIndex")
         fqn, offset = index.get("fqn"), index.get("offset")
         if type(fqn) is not str:
             raise MalformedError(f"a MetadataIndex names a {kind(fqn)}")
         offsets = None if offset is None else _dims(offset, "offset of a MetadataIndex", fqn)
-        if not (isinstance(info, _Object) and info.cls == "_StorageInfo"):
+        if not (isinstance(info, DcpObject) and info.cls == "_StorageInfo"):
             raise MalformedError(f"storage_data holds a {kind(info)}, not a _StorageInfo", tensor=fqn)
         location = _location(info, fqn)
         if (fqn, offsets) in out:
@@ -402,7 +272,7 @@ def _locations(root: _Object) -> _Locations:
     return out
 
 
-def _location(info: _Object, fqn: str) -> _Location:
+def _location(info: DcpObject, fqn: str) -> _Location:
     path, offset, length = info.get("relative_path"), info.get("offset"), info.get("length")
     transforms = info.get("transform_descriptors")
     if type(path) is not str:
@@ -416,7 +286,7 @@ def _location(info: _Object, fqn: str) -> _Location:
     return _Location(path, offset, length, tuple(transforms))
 
 
-def _check_version(root: _Object) -> None:
+def _check_version(root: DcpObject) -> None:
     version = root.get("version")
     if version is None:  # torch < 2.4 wrote none
         return
@@ -442,8 +312,9 @@ def _what(offsets: tuple[int, ...] | None) -> str:
 class _Files:
     """The bytes `storage_data` points at: files checked once each, byte ranges read once each."""
 
-    def __init__(self, directory: Path, locations: _Locations, where: Path):
+    def __init__(self, directory: Path, locations: _Locations, where: Path, store: Store):
         self.directory = directory
+        self.store = store
         self.locations = locations
         self.where = where  # .metadata, for messages about what it says
         self.root: Path | None = None
@@ -514,9 +385,9 @@ class _Files:
         key = (str(path), start, end)
         if key not in self.read:
             if offsets is not None:
-                _refuse_safetensors(path, start, fqn, offsets)
+                _refuse_safetensors(self.store, path, start, fqn, offsets)
             try:
-                self.read[key] = (fqn, *read_torch(path, start, end, fqn))
+                self.read[key] = (fqn, *read_torch(path, start, end, fqn, self.store))
             except ClipcliError as e:
                 # a chunk's messages name its tensor; an item's name the entry inside it, if any
                 tensor = fqn if offsets is not None or e.tensor is None else e.tensor
@@ -547,19 +418,20 @@ class _Files:
             )
         path = self.directory / relative
         try:
-            st = os.stat(path)
+            size = self.store.size(path)  # raises as the file system says
+            kind = self.store.kind(path)
             if self.root is None:
-                self.root = self.directory.resolve()
-            real = path.resolve()
+                self.root = self.store.real(self.directory)
+            real = self.store.real(path)
         except FileNotFoundError as e:
             raise MissingFileError(f"{relative}, which {METADATA} lists, does not exist", self.directory, fqn) from e
         except OSError as e:
             raise InputError(f"cannot read {relative}: {e.strerror or e}", self.directory, fqn) from e
-        if not stat.S_ISREG(st.st_mode):
+        if kind != "file":
             raise MalformedError(f"{relative}, which {METADATA} lists, is not a regular file", self.directory, fqn)
         if not real.is_relative_to(self.root):
             raise MalformedError(f"{relative} leads outside the checkpoint's directory", self.directory, fqn)
-        self.files[relative] = (path, st.st_size)
+        self.files[relative] = (path, size)
         return self.files[relative]
 
 
@@ -575,10 +447,10 @@ def _renamed(
     return {rename(k): v for k, v in metadata.items()}, renamed
 
 
-def _refuse_safetensors(path: Path, start: int, fqn: str, offsets: tuple[int, ...]) -> None:
+def _refuse_safetensors(store: Store, path: Path, start: int, fqn: str, offsets: tuple[int, ...]) -> None:
     """Refuses a chunk written in DCP's safetensors format (raw bytes after a safetensors header)."""
     try:
-        with open(path, "rb") as f:
+        with store.open(path) as f:
             f.seek(start)
             head = f.read(9)
     except OSError as e:
@@ -595,14 +467,14 @@ def _refuse_safetensors(path: Path, start: int, fqn: str, offsets: tuple[int, ..
 # -- tensors ---------------------------------------------------------------------------------------------
 
 
-def _tensor(fqn: str, entry: _Object, files: _Files) -> DcpTensor:
+def _tensor(fqn: str, entry: DcpObject, files: _Files) -> DcpTensor:
     """One tensor of `state_dict_metadata` with its chunks, each checked against its torch.save file."""
     try:
         dtype, dtype_name = _tensor_dtype(entry, fqn)
         shape = _dims(entry.get("size"), "global shape", fqn)
         boxes = _boxes(entry.get("chunks"), len(shape), fqn)
         check_elements(shape)
-        problem = _layout_error(shape, boxes)
+        problem = layout_error(shape, boxes)
         if problem is not None:
             raise MalformedError(problem)
     except ClipcliError as e:
@@ -613,9 +485,9 @@ def _tensor(fqn: str, entry: _Object, files: _Files) -> DcpTensor:
     return DcpTensor(fqn, dtype, dtype_name, shape, chunks, skip)
 
 
-def _tensor_dtype(entry: _Object, fqn: str) -> tuple[np.dtype | None, str]:
+def _tensor_dtype(entry: DcpObject, fqn: str) -> tuple[np.dtype | None, str]:
     properties = entry.get("properties")
-    if not (isinstance(properties, _Object) and properties.cls == "TensorProperties"):
+    if not (isinstance(properties, DcpObject) and properties.cls == "TensorProperties"):
         raise MalformedError(f"the tensor's properties are a {kind(properties)}", tensor=fqn)
     found = dtype_of(properties.get("dtype"))
     if found is None:
@@ -629,7 +501,7 @@ def _boxes(chunks: Any, ndim: int, fqn: str) -> list[tuple[tuple[int, ...], tupl
         raise MalformedError(f"the tensor's chunks are a {kind(chunks)}, not a list", tensor=fqn)
     boxes = []
     for chunk in chunks:
-        if not (isinstance(chunk, _Object) and chunk.cls == "ChunkStorageMetadata"):
+        if not (isinstance(chunk, DcpObject) and chunk.cls == "ChunkStorageMetadata"):
             raise MalformedError(f"a chunk is a {kind(chunk)}, not a ChunkStorageMetadata", tensor=fqn)
         offsets = _dims(chunk.get("offsets"), "offset of a chunk", fqn)
         sizes = _dims(chunk.get("sizes"), "shape of a chunk", fqn)
@@ -642,96 +514,9 @@ def _boxes(chunks: Any, ndim: int, fqn: str) -> list[tuple[tuple[int, ...], tupl
     return boxes
 
 
-# -- chunk layouts -------------------------------------------------------------------------------------
+def _open(directory: Path, store: Store = LOCAL) -> Opened:
+    metadata, tensors = open_directory(directory, store)
+    return Opened(metadata, tensors, sorted({Path(t.file) for t in tensors}), "distcp", sharded=True)
 
 
-def _layout_error(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
-    """Why the chunks (offsets, sizes) do not tile a tensor of `shape` exactly, or None when they do.
-
-    Each chunk must lie inside the tensor; then the chunks tile it iff their indicator functions, less the
-    tensor's, add up to zero (every element covered exactly once): see `_adds_to_zero`. Dimensions that
-    every chunk spans whole drop out, and so do empty chunks.
-    """
-    for offsets, sizes in boxes:
-        if any(o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)):
-            return f"the chunk at offsets {offsets} with shape {sizes} runs past the tensor's shape {shape}"
-    total = math.prod(shape)
-    if total == 0:  # every chunk inside an empty tensor is empty
-        return None
-    full = [(offsets, sizes) for offsets, sizes in boxes if math.prod(sizes)]
-    covered = sum(math.prod(sizes) for _, sizes in full)
-    if covered < total:
-        return f"the chunks hold {covered} of the tensor's {total} elements: they leave a hole"
-    if covered > total:
-        return f"the chunks hold {covered} elements, more than the tensor's {total}: {_overlap(full)}"
-    split = [d for d, n in enumerate(shape) if any(offsets[d] or sizes[d] != n for offsets, sizes in full)]
-    if len(split) > _MAX_SPLIT_DIMS:
-        raise UnsupportedError(
-            f"{len(full)} chunks that split {len(split)} dimensions: more than clipcli checks for overlaps"
-        )
-    weights: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-    for offsets, sizes, sign in [*((o, s, 1) for o, s in full), ((0,) * len(shape), shape, -1)]:
-        box = (tuple(offsets[d] for d in split), tuple(offsets[d] + sizes[d] for d in split))
-        weights[box] = weights.get(box, 0) + sign
-    if _adds_to_zero({box: w for box, w in weights.items() if w}, [_MAX_SWEEP_STEPS]):
-        return None
-    return f"{_overlap(full)}, and so leave a hole"
-
-
-def _adds_to_zero(
-    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], int], budget: list[int], known: set | None = None
-) -> bool:
-    """Whether boxes ([lo, hi) per dimension) times their weights add up to zero everywhere.
-
-    Along the first dimension the sum is a step function of boxes over the other dimensions: zero
-    everywhere iff each step is, the boxes that begin at a coordinate less those that end there. Boxes
-    equal in the other dimensions cancel before going on (one chunk ending where the next begins, as
-    every sharding lays them), so a sharding's chunks take a few steps each. A step found zero before
-    (or its negative: a step up and a step down) is not checked again, and `budget` (steps left) bounds
-    what crafted layouts cost.
-
-    Raises:
-        UnsupportedError: when the budget runs out.
-    """
-    known = set() if known is None else known
-    if not boxes:
-        return True
-    if not next(iter(boxes))[0]:  # no dimension left, and a weight that is not zero
-        return False
-    steps: dict[int, dict[tuple[tuple[int, ...], tuple[int, ...]], int]] = {}
-    for (lo, hi), w in boxes.items():
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise UnsupportedError("chunks laid out so that checking them for overlaps takes more than clipcli spends")
-        rest = (lo[1:], hi[1:])
-        for at, weight in ((lo[0], w), (hi[0], -w)):
-            step = steps.setdefault(at, {})
-            total = step.pop(rest, 0) + weight
-            if total:
-                step[rest] = total
-    for step in steps.values():
-        key = frozenset(step.items())
-        if key in known:
-            continue
-        if not _adds_to_zero(step, budget, known):
-            return False
-        known.update((key, frozenset((box, -w) for box, w in step.items())))
-    return True
-
-
-def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
-    """Names two chunks that overlap, found by a sweep along the first dimension (bounded in work)."""
-    if boxes and not boxes[0][0]:  # a 0-d tensor: any two chunks are the same element
-        return "the tensor's one element is saved more than once"
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    budget = _MAX_PAIR_CHECKS
-    for offsets, sizes in sorted(boxes):
-        active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
-        budget -= 1 + len(active)
-        if budget < 0:
-            break
-        for o, s in active:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, o, s, strict=True)):
-                return f"the chunks at offsets {o} and {offsets} overlap"
-        active.append((offsets, sizes))
-    return "the chunks overlap"
+FORMAT = Format("distcp", recognises=is_dcp, open=_open)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import io
 import math
-import os
 import re
 import struct
 import tokenize
@@ -15,7 +14,11 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from clipcli.checkpoint._files import MAX_COUNT, Span, read_head, shown, sniff, write_data
+from clipcli.checkpoint.atomic import write_data
+from clipcli.checkpoint.formats._common import shown
+from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.source import LOCAL, Store, size_of
+from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAGIC = b"\x93NUMPY"
@@ -46,16 +49,17 @@ class NpyHeader(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def open_file(path: Path) -> tuple[dict[str, str], list[Any]]:
+def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
     """The one tensor of a .npy file, named after the file's stem."""
-    from clipcli.checkpoint import numpy_tensor
+    with store.open(path) as f:
+        if f.read(6) != MAGIC:
+            from clipcli.checkpoint import registry  # here: only a file that is no .npy needs every format
 
-    with open(path, "rb") as f:
-        if not f.read(6) == MAGIC:
-            raise FileTypeError(f"not a .npy file: {sniff(read_head(path))}", path)
+            f.seek(0)
+            raise FileTypeError(f"not a .npy file: {registry.describe(f.read(registry.HEAD_BYTES))}", path)
         f.seek(0)
         header = read_npy_header(f)
-        size = os.fstat(f.fileno()).st_size
+        size = size_of(f)
     if header.data_offset + header.nbytes != size:
         raise MalformedError(
             f"shape {header.shape} of {header.dtype.name} needs {header.nbytes} bytes of data, "
@@ -210,12 +214,86 @@ def check_portable(dtype: np.dtype | None, name: str) -> None:
 
 def write(
     f: BinaryIO,
-    tensors: list[Any],
+    tensors: list[TensorInfo],
     metadata: dict[str, str],
-    chunks: Callable[[Any], Iterable[np.ndarray]],
-    expect: Callable[[Any, int], None],
+    chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
+    expect: Callable[[TensorInfo, int], None],
 ) -> None:
     """Writes one tensor as a .npy file (the metadata has nowhere to go)."""
     (t,) = tensors
-    f.write(t.prefix or npy_header(t.array_dtype, t.shape, t.fortran_order))
+    f.write(header(tensors, metadata))
     expect(t, write_data(f, chunks(t)))
+
+
+def header(tensors: list[TensorInfo], metadata: dict[str, str]) -> bytes:
+    """The header of a .npy file of the one tensor: as it was read, or as `np.save` writes it."""
+    (t,) = tensors
+    return t.prefix or npy_header(t.array_dtype, t.shape, t.fortran_order)
+
+
+def numpy_tensor(name: str, header: NpyHeader, path: Path, location: Any, compression: int = 0) -> TensorInfo:
+    """A tensor from a .npy header: numeric types in native byte order, others carried as bytes."""
+    if not header.numeric:
+        return TensorInfo(
+            name, type_name(header.dtype), header.shape, header.nbytes, str(path), None,
+            header.fortran_order, location, None, compression, header.raw,
+        )  # fmt: skip
+    native = header.dtype.newbyteorder("=")
+    stored = None if header.dtype.isnative else header.dtype
+    return TensorInfo(
+        name, native.name, header.shape, header.nbytes, str(path), native, header.fortran_order, location, stored,
+        compression,
+    )  # fmt: skip
+
+
+def byte_layout(t: TensorInfo) -> tuple[str, bool]:
+    """How a type carried as bytes lies: its stored type (byte order included; "" where it has no .npy header)
+    and whether in Fortran order (where the shape makes the orders differ). Two such tensors of one type whose
+    layouts agree hold the same values exactly when they hold the same bytes."""
+    dtype = read_npy_header(io.BytesIO(t.prefix)).dtype if t.prefix else None
+    descr = "" if dtype is None else repr(dtype.descr)  # fields' names, order and byte orders too
+    return descr, t.fortran_order and sum(n > 1 for n in t.shape) > 1
+
+
+def check_tensor(t: TensorInfo) -> None:
+    """Refuses a tensor that a .npy cannot hold (a type carried as bytes keeps the .npy header it had)."""
+    if not (t.array_dtype is None and t.prefix):
+        check_portable(t.array_dtype, t.name)
+
+
+def check_metadata(target: Path, metadata: dict[str, str]) -> None:
+    """Refuses metadata, which an .npz or .npy has no place for."""
+    if metadata:
+        n = len(metadata)
+        keys = ", ".join(list(metadata)[:5]) + (", ..." if n > 5 else "")
+        raise UnsupportedError(
+            f"the metadata ({n:,} {'entry' if n == 1 else 'entries'}: {keys}) has no place in an .npz or .npy; "
+            "write .safetensors to keep it, or give --drop-metadata",
+            target,
+        )
+
+
+def _check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
+    """One tensor, named as the file (unless it came from a .npy), and no metadata."""
+    if len(tensors) != 1:
+        raise UnsupportedError(f"a .npy file holds one tensor, the checkpoint has {len(tensors)}", target)
+    if source_format != "npy" and tensors[0].name != target.stem:
+        raise UnsupportedError(
+            f"an .npy holds no name: tensor {tensors[0].name!r} would be read back as {target.stem!r}; "
+            f"name the output {tensors[0].name}.npy, or write .npz",
+            target,
+        )
+    check_metadata(target, metadata)
+
+
+FORMAT = Format(
+    "npy",
+    (".npy",),
+    sniff=lambda head, f=None: head.startswith(MAGIC),
+    describe=lambda head: "a NumPy .npy file" if head.startswith(MAGIC) else None,
+    open_file=open_file,
+    write=write,
+    header=header,
+    check_tensor=check_tensor,
+    check_file=_check_file,
+)

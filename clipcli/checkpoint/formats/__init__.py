@@ -1,0 +1,1 @@
+"""The checkpoint formats: one module each, ending with its `FORMAT` record."""

@@ -1,0 +1,205 @@
+"""The names of a torch.save file's entries: the unpickled object flattened to dotted names, leaves rendered."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from clipcli.checkpoint.formats._pickle import (
+    MAX_DEPTH,
+    Constructor,
+    kind,
+)
+from clipcli.checkpoint.formats._torch_records import (
+    Device,
+    Named,
+    Storage,
+    Storages,
+    StorageType,
+    Tensor,
+    TorchTensor,
+)
+from clipcli.checkpoint.tensor import check_elements
+from clipcli.errors import (
+    ClipcliError,
+    MalformedError,
+    UnsupportedError,
+)
+
+_MAX_INDEX = 1 << 63  # shapes, strides and offsets are int64 in torch
+_MAX_KEY_DEPTH = 100  # nesting of a tuple used as a dict key, as rendered in a name
+# The budget of names a pickle may flatten to (see flatten): a tensor torch writes takes 60 bytes of pickle
+# or more (rebuild call, persistent id, size, stride), a metadata leaf 2 or more, and a memo GET names a
+# shared container or tensor again for 2 bytes. A tensor's name costs far more than a leaf's afterwards (its
+# records, ~1.5 KB, and a read of its storage by every command that reads values).
+_NAME_UNITS = 65536
+_NAME_UNITS_PER_BYTE = 16
+_TENSOR_UNITS = 32
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+
+def flatten(
+    root: Any, root_name: str, storages: Storages, big_endian: bool, pickle_size: int, item: bool = False
+) -> tuple[dict[str, str], list[TorchTensor]]:
+    """Walks the unpickled object depth first: tensors and metadata under dotted names, in order.
+
+    With `item`, the object is named `root_name` as an item of a container would be (its own items
+    `root_name.key`, an empty container a metadata entry).
+
+    The walk is charged one unit per container or leaf and one per 16 characters of its name, and for every
+    entry it keeps one per 4 characters of its name and value and _TENSOR_UNITS per tensor, against a budget
+    proportional to the pickle's size: containers that share one another (one list held twice by a list
+    held twice by ...) would otherwise give names without end, and a file may not cost more than its bytes
+    justify.
+    """
+    budget = _NAME_UNITS + _NAME_UNITS_PER_BYTE * pickle_size
+    tensors: list[TorchTensor] = []
+    metadata: dict[str, str] = {}
+    seen: set[str] = set()
+    # parent's name, key, object, depth
+    pending: list[tuple[str | None, Any, Any, int]] = [(None, root_name, root, 1) if item else (None, None, root, 0)]
+    while pending:
+        parent, key, obj, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise MalformedError(f"the pickle nests containers deeper than {MAX_DEPTH} levels (or holds itself)")
+        if depth == 0:
+            name = root_name
+        else:
+            part = key if type(key) is str else _key_text(key)
+            name = part if parent is None else f"{parent}.{part}"
+        budget -= 1 + len(name) // 16  # building the name; a leaf's is kept, and charged again below
+        if budget < 0:
+            raise MalformedError(
+                "the pickle's containers share one another (or hold themselves) so often that their names would "
+                f"not end: more tensors and values than its {pickle_size} bytes justify"
+            )
+        children = _children(obj)
+        if children is not None and (children or depth == 0):
+            prefix = None if depth == 0 else name
+            pending.extend((prefix, k, v, depth + 1) for k, v in reversed(children))
+            continue
+        if name in seen:
+            raise MalformedError("two entries of the pickle flatten to this name", tensor=name)
+        seen.add(name)
+        budget -= len(name) // 4
+        if isinstance(obj, (Tensor, Storage)):
+            budget -= _TENSOR_UNITS
+            if isinstance(obj, Storage):  # a storage saved as such: all of it, as a 1-d tensor
+                obj = Tensor(obj, 0, (obj.numel,), (1,))
+            tensors.append(_describe(name, obj, big_endian))
+        else:
+            text = metadata[name] = _render(obj, name)
+            budget -= len(text) // 4
+    return metadata, tensors
+
+
+def _children(obj: Any) -> list[tuple[Any, Any]] | None:
+    """A container's (key, item) pairs, or None for a leaf; keys are rendered only once named."""
+    if isinstance(obj, dict):
+        return list(obj.items())
+    if type(obj) in (list, tuple):
+        return list(enumerate(obj))
+    return None
+
+
+def _key_text(key: Any) -> str:
+    return key if type(key) is str else _literal(key, 0)
+
+
+def _literal(value: Any, depth: int) -> str:
+    """A dict key, set member or leaf written as a Python literal would be (never an object's address)."""
+    if depth > _MAX_KEY_DEPTH:
+        raise MalformedError(f"a dict key or set nested deeper than {_MAX_KEY_DEPTH} levels")
+    if type(value) is str:
+        return repr(value) if depth else value
+    if type(value) is int:
+        return str(value) if value.bit_length() < 10_000 else hex(value)  # str() refuses > 4300 digits
+    if value is None or type(value) in (bool, float, complex, bytes):
+        return repr(value)
+    if type(value) is tuple:
+        items = [_literal(v, depth + 1) for v in value]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if type(value) in (set, frozenset):
+        items = sorted(_literal(v, depth + 1) for v in value)
+        if not items:
+            return "set()" if type(value) is set else "frozenset()"
+        text = "{" + ", ".join(items) + "}"
+        return text if type(value) is set else f"frozenset({text})"
+    if isinstance(value, (Named, StorageType)):
+        return value.name
+    if isinstance(value, Device):
+        return value.text
+    if isinstance(value, Constructor):
+        return value.name
+    if isinstance(value, (Tensor, Storage)):
+        raise UnsupportedError("a tensor used as a dict key or set member has no name")
+    raise MalformedError(f"a {kind(value)} where a key or value belongs")
+
+
+def _render(value: Any, name: str) -> str:
+    if isinstance(value, dict):
+        return "{}"
+    if type(value) is list:
+        return "[]"
+    try:
+        return _literal(value, 0)
+    except ClipcliError as e:
+        e.tensor = name
+        raise
+
+
+def _dims(value: Any, what: str, name: str) -> tuple[int, ...]:
+    if type(value) not in (tuple, list) or not all(type(d) is int and 0 <= d < _MAX_INDEX for d in value):
+        raise MalformedError(f"the {what} is not a tuple of non-negative integers", tensor=name)
+    return tuple(value)
+
+
+def _describe(name: str, t: Tensor, big_endian: bool) -> TorchTensor:
+    """The tensor under its name, checked: its view lies inside its storage, and its storage in the file."""
+    shape = _dims(t.shape, "shape", name)
+    check_elements(shape, name)  # before anything counts or prints them (a meta tensor's too)
+    storage = t.storage
+    dtype = t.dtype if t.dtype is not None or not isinstance(storage, Storage) else storage.dtype
+    dtype_name = dtype.name if dtype is not None else "unknown"
+    skip = (
+        t.skip
+        if t.skip is not None or dtype is None or dtype.array is not None
+        else f"dtype {dtype.name} has no NumPy type"
+    )
+    if storage is None:  # sparse, meta, nested: listed with their shape, no storage
+        strides = _dims(t.strides, "strides", name) if t.strides else ()
+        return TorchTensor(name, None, dtype_name, shape, strides, 0, "", 0, 0, False, skip)
+    assert isinstance(storage, Storage) and dtype is not None
+    strides = _dims(t.strides, "strides", name)
+    if len(strides) != len(shape):
+        raise MalformedError(f"{len(shape)} dimensions but {len(strides)} strides", tensor=name)
+    if type(t.offset) is not int or not 0 <= t.offset < _MAX_INDEX:
+        raise MalformedError("the storage offset is not a non-negative integer", tensor=name)
+    itemsize = dtype.itemsize
+    if math.prod(shape):
+        last = t.offset + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+        if (last + 1) * itemsize > storage.nbytes:
+            raise MalformedError(
+                f"the view (offset {t.offset}, shape {shape}, strides {strides}) needs {(last + 1) * itemsize} "
+                f"bytes of storage {storage.key}, which holds {storage.nbytes}",
+                tensor=name,
+            )
+    first_byte = storage.base + t.offset * itemsize
+    if first_byte % itemsize:
+        raise MalformedError(f"storage view {storage.key} does not start on a {dtype.name} element", tensor=name)
+    root = storage.root
+    return TorchTensor(
+        name,
+        None if skip else dtype.array,
+        dtype_name,
+        shape,
+        strides,
+        first_byte // itemsize,
+        root.key,
+        root.file_offset,
+        root.nbytes,
+        big_endian,
+        skip,
+    )

@@ -415,9 +415,13 @@ def _cast(x: np.ndarray, target: np.dtype, finite: bool, zeros: int) -> tuple[li
         [overflow, flush, subnormal]; the values and their casts to compare (float32 for float8 targets),
         both 0 where a value is not finite or overflows.
     """
-    with np.errstate(over="ignore", invalid="ignore"):  # overflowing casts are what is counted here
-        cast = x.astype(target)
-    wide = _widened(target)[cast.view(np.uint8 if target.itemsize == 1 else np.uint16)]
+    source = x if x.dtype.kind == "f" else x.astype(np.float32)  # ml_dtypes' floats widen exactly to float32
+    if source.dtype == np.float64:  # ml_dtypes rounds float64 twice (through float32): rounded here, once
+        cast = wide = _rounded(source, target)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflowing casts are what is counted here
+            cast = source.astype(target)
+        wide = _widened(target)[cast.view(np.uint8 if target.itemsize == 1 else np.uint16)]
     numbers = np.isfinite(wide)
     overflow = x.size - int(np.count_nonzero(numbers))
     if not finite:
@@ -427,8 +431,23 @@ def _cast(x: np.ndarray, target: np.dtype, finite: bool, zeros: int) -> tuple[li
     subnormal = int(np.count_nonzero(np.abs(wide) < tiny)) - zero
     if overflow or not finite:
         kept = numbers & np.isfinite(x.astype(np.float64))
-        x, cast, wide = (np.where(kept, v, np.zeros((), v.dtype)) for v in (x, cast, wide))
+        # as floats: float8_e8m0fnu has no zero (its bits 0 are 2**-127)
+        x, cast, wide = (np.where(kept, v, np.zeros((), v.dtype)) for v in (source, cast, wide))
     return [overflow, zero - zeros, subnormal], x, wide if target.itemsize == 1 else cast
+
+
+def _rounded(w: np.ndarray, target: np.dtype) -> np.ndarray:
+    """float64 values rounded to nearest even in `target` (inf beyond its largest finite value), exactly.
+
+    Each value is scaled by a power of two so that its last place in `target` (that of the binade, or of
+    the subnormals) becomes 1, rounded to an integer by np.rint (to even on ties) and scaled back.
+    """
+    info = ml_dtypes.finfo(target)
+    smallest = math.frexp(float(info.smallest_normal))[1] - 1
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and Inf stay NaN and Inf
+        shift = np.maximum(np.frexp(w)[1] - 1, smallest) - (_precision(target) - 1)
+        r = np.ldexp(np.rint(np.ldexp(w, -shift)), shift)
+        return np.where(np.abs(r) > float(info.max), np.copysign(np.inf, w), r)
 
 
 _tables: dict[np.dtype, np.ndarray] = {}

@@ -31,7 +31,9 @@ class CastReadiness:
     overflow: int  # finite values that would become inf or NaN (saturate, for a type without inf)
     flush: int  # non-zero values that would become zero
     subnormal: int  # values that would land subnormal (non-zero, below the target's smallest normal)
-    # ‖x − cast(x)‖₂ / ‖x‖₂ over the finite values that do not overflow, from exact sums; None when those are 0.
+    # ‖x − cast(x)‖₂ / ‖x‖₂ over the finite values that do not overflow (both norms over those), as
+    # `DiffAccumulator` gives it: exact squares, float64 sums per block, added exactly (right to 1e-12);
+    # None when those values are all zero.
     rel_error: float | None
 
 
@@ -39,10 +41,12 @@ class CastReadiness:
 class TensorStats:
     """Exact statistics of one tensor's values (of a complex tensor: its real and imaginary parts).
 
-    min, max and max_abs ignore NaN and are None where no value is a number; mean and std are
-    correctly rounded from exact sums (std is the population's, ddof=0), None for an empty tensor,
-    NaN where a value is NaN (and std also where one is infinite). Integer and bool tensors report no
-    subnormals, exponents or casts.
+    min, max and max_abs ignore NaN (-0.0 is reported as 0.0) and are None where no value is a number;
+    mean and std are correctly rounded from the exact sums (std is the population's, ddof=0), None for an
+    empty tensor, NaN where a value is NaN (and std also where one is infinite), ±inf for a mean over
+    infinities of one sign. A complex tensor is described by its parts, as a real tensor twice its size
+    (exact, and what a cast acts on). Integer and bool tensors report exact extremes, sums and zeros, and
+    no subnormals, exponents or casts.
     """
 
     dtype: str

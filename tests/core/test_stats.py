@@ -61,18 +61,31 @@ def values_of(t: np.ndarray) -> np.ndarray:
 
 
 def rounded_sqrt(q: Fraction) -> float:
-    """sqrt(q), correctly rounded: the float whose neighbours' midpoints enclose it."""
+    """sqrt(q), correctly rounded: the float whose midpoints with its neighbours enclose it (ties to even)."""
     k = (q.numerator.bit_length() - q.denominator.bit_length()) // 2  # q / 4**k lies near 1: no overflow
     r = math.ldexp(math.sqrt(float(q / Fraction(4) ** k)), k)
     for _ in range(4):
-        down, up = math.nextafter(r, 0.0), math.nextafter(r, math.inf)
-        if Fraction(r + 0.0) and (Fraction(down) + Fraction(r)) ** 2 / 4 > q:
-            r = down
-        elif (Fraction(r) + Fraction(up)) ** 2 / 4 < q:
-            r = up
+        below = (Fraction(math.nextafter(r, 0.0)) + Fraction(r)) ** 2 / 4
+        above = (Fraction(r) + Fraction(math.nextafter(r, math.inf))) ** 2 / 4
+        if q < below or (q == below and odd(r)):
+            r = math.nextafter(r, 0.0)
+        elif q > above or (q == above and odd(r)):
+            r = math.nextafter(r, math.inf)
         else:
             return r
     raise AssertionError("not converged")
+
+
+def odd(x: float) -> bool:
+    """Whether the last bit of x's mantissa is 1."""
+    return bool(np.array(x).view(np.uint64) & 1)
+
+
+def test_a_std_on_a_midpoint_rounds_to_even():
+    # found by a random sweep: (70144 - 9.968061931431293e-10) / 2 lies halfway between two float64s
+    t = np.array([9.968061931431293e-10, 70144.0], ml_dtypes.bfloat16)
+    exact = (Fraction(70144) - Fraction(float(t[0]))) / 2
+    assert tensor_stats(t).std == float(exact) == rounded_sqrt(exact**2) == 35071.999999999505
 
 
 def reference(t: np.ndarray, casts=None) -> dict:

@@ -1,0 +1,499 @@
+"""Exact statistics of a tensor streamed in chunks: `StatsAccumulator`, `TensorStats` and `CastReadiness`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from clipcli.core.blocks import BLOCK, PIECE, as_tensor, is_floating, widen
+from clipcli.core.differences import DiffAccumulator
+from clipcli.core.exact import ExactSum, add_signed, int_quotient, int_root, ldexp, signed
+
+# The standard narrow floats a tensor may be cast to, in the order a report lists them.
+CAST_TARGETS = tuple(
+    np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+)
+
+# frexp's exponents of float64 values lie in [-1073, 1024]: shifted by this, they index bins from 0.
+_OFFSET = 1100
+_BINS = 2200
+
+
+@dataclass(frozen=True)
+class CastReadiness:
+    """What a cast to a narrower float with round-to-nearest-even would do to a tensor's finite values."""
+
+    dtype: str  # the target: float16, bfloat16, float8_e4m3fn or float8_e5m2
+    overflow: int  # finite values that would become inf or NaN (saturate, for a type without inf)
+    flush: int  # non-zero values that would become zero
+    subnormal: int  # values that would land subnormal (non-zero, below the target's smallest normal)
+    # ‖x − cast(x)‖₂ / ‖x‖₂ over the finite values that do not overflow (both norms over those), as
+    # `DiffAccumulator` gives it: exact squares, float64 sums per block, added exactly (right to 1e-12);
+    # None when those values are all zero.
+    rel_error: float | None
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Exact statistics of one tensor's values (of a complex tensor: its real and imaginary parts).
+
+    min, max and max_abs ignore NaN (-0.0 is reported as 0.0) and are None where no value is a number;
+    mean and std are correctly rounded from the exact sums (std is the population's, ddof=0), None for an
+    empty tensor, NaN where a value is NaN (and std also where one is infinite), ±inf for a mean over
+    infinities of one sign. A complex tensor is described by its parts, as a real tensor twice its size
+    (exact, and what a cast acts on). Integer and bool tensors report exact extremes, sums and zeros, and
+    no subnormals, exponents or casts.
+    """
+
+    dtype: str
+    count: int  # values (a complex tensor: twice its size, real and imaginary parts in C order)
+    min: float | int | None
+    max: float | int | None
+    max_abs: float | int | None
+    argmax_abs: int | None  # the flat C-order index of the first value of largest magnitude
+    mean: float | None
+    std: float | None
+    zeros: int  # 0.0 and -0.0
+    subnormals: int  # in the tensor's own dtype
+    nan: int
+    posinf: int
+    neginf: int
+    # (e, n): n finite non-zero values with 2**e <= |x| < 2**(e + 1), by increasing e; zeros and NaN/Inf apart.
+    exponents: tuple[tuple[int, int], ...]
+    all_zero: bool  # values there are, and every one is zero
+    constant: bool  # two values or more, all equal (all zero included), none NaN
+    casts: tuple[CastReadiness, ...]
+
+
+def default_casts(dtype: Any) -> tuple[np.dtype, ...]:
+    """The cast targets narrower than `dtype` (of a complex dtype: than its parts); none for other dtypes."""
+    part = _part_dtype(np.dtype(dtype))
+    if not is_floating(part):
+        return ()
+    return tuple(t for t in CAST_TARGETS if t.itemsize < part.itemsize)
+
+
+class StatsAccumulator:
+    """Streams chunks of one tensor's values into its exact statistics, `TensorStats`.
+
+    Feed the values, in C order, with `add(values, start)` in any chunks and any order (each chunk's
+    `start` is the flat index of its first value); workers' accumulators of the same tensor combine with
+    `merge`. Counts and sums are exact (Python integers), so every chunking and every order of merges gives
+    the same bits. Sums of x and x² are taken per binade: the mantissas of one binade are multiples of one
+    unit, so their float64 sums are exact; the cast errors are `DiffAccumulator`'s, over blocks counted
+    from the tensor's first value (a block cut by a chunk's edge waits for its other parts).
+
+    Args:
+        dtype: the tensor's dtype: bool, integer, floating (ml_dtypes' too) or complex.
+        casts: the cast targets (names or dtypes, from `CAST_TARGETS`); None for `default_casts(dtype)`.
+    """
+
+    def __init__(self, dtype: Any, casts: Any = None) -> None:
+        self.dtype = np.dtype(dtype).newbyteorder("=")
+        self._part = _part_dtype(self.dtype)
+        if not (is_floating(self._part) or self._part.kind in "biu"):
+            raise TypeError(f"no statistics for tensors of dtype {self.dtype}")
+        self._floating = is_floating(self._part)
+        targets = default_casts(self.dtype) if casts is None else tuple(np.dtype(t) for t in casts)
+        if any(t not in CAST_TARGETS for t in targets):
+            names = [t.name for t in CAST_TARGETS]
+            raise ValueError(f"cast targets are among {names}, got {[str(t) for t in targets]}")
+        self.targets = targets if self._floating else ()
+        self.count = 0
+        self.nan = self.posinf = self.neginf = self.zeros = 0
+        self._min: float | int | None = None
+        self._max: float | int | None = None
+        self._peak: tuple[float | int, int] | None = None  # the largest magnitude and its first index
+        self._sum, self._sum_neg, self._squares = ExactSum(), ExactSum(), ExactSum()
+        self._int_sum = self._int_squares = 0  # integer tensors' sums
+        self._bins = np.zeros(_BINS, np.int64)  # values per frexp exponent (+ _OFFSET), zeros in bin _OFFSET
+        self._readiness = {t: [0, 0, 0] for t in self.targets}  # overflow, flush, subnormal
+        self._errors = {t: DiffAccumulator(2) for t in self.targets}
+        self._fragments: dict[int, list[tuple[int, np.ndarray]]] = {}  # block -> [(start, values)]
+
+    def add(self, values: Any, start: int) -> None:
+        """Adds values of the tensor (any shape, taken in C order), the first at flat index `start`.
+
+        Raises:
+            TypeError: when the values are of another dtype than the accumulator's.
+        """
+        values = as_tensor(values)
+        if values.dtype.newbyteorder("=") != self.dtype:
+            raise TypeError(f"expected values of dtype {self.dtype.name}, got {values.dtype.name}")
+        flat = np.ascontiguousarray(values.reshape(-1), dtype=self.dtype)
+        if not flat.size:
+            return
+        if self.dtype.kind == "c":  # real and imaginary parts, in turn
+            flat, start = flat.view(self._part), 2 * start
+        if not self._floating:
+            self._add_integers(flat, start)
+            return
+        head = min(-start % BLOCK, flat.size)
+        full = (flat.size - head) - (flat.size - head) % BLOCK
+        for a, b in ((0, head), (head + full, flat.size)):
+            if b > a:
+                self._add_floats(flat[a:b], start + a, whole=False)
+        for a in range(head, head + full, PIECE):
+            self._add_floats(flat[a : min(a + PIECE, head + full)], start + a, whole=True)
+
+    def merge(self, other: StatsAccumulator) -> None:
+        """Adds the values of the same tensor that `other` has seen (another worker's chunks).
+
+        Raises:
+            ValueError: when `other` is of another dtype or other cast targets.
+        """
+        if (other.dtype, other.targets) != (self.dtype, self.targets):
+            raise ValueError("cannot merge statistics of different dtypes or cast targets")
+        self.count += other.count
+        self.nan += other.nan
+        self.posinf += other.posinf
+        self.neginf += other.neginf
+        self.zeros += other.zeros
+        if other._min is not None:
+            self._extremes(other._min, other._max, *other._peak)
+        for mine, theirs in ((self._sum, other._sum), (self._sum_neg, other._sum_neg), (self._squares, other._squares)):
+            mine.merge(theirs)
+        self._int_sum += other._int_sum
+        self._int_squares += other._int_squares
+        self._bins += other._bins
+        for t in self.targets:
+            self._readiness[t] = [a + b for a, b in zip(self._readiness[t], other._readiness[t], strict=True)]
+            self._errors[t].merge(other._errors[t])
+        for block, pieces in other._fragments.items():
+            self._fragments.setdefault(block, []).extend(pieces)
+            self._complete(block)
+        other._fragments = {}
+
+    def result(self) -> TensorStats:
+        """The statistics of every value added so far (a block seen in part is taken as the tensor's tail)."""
+        for block in sorted(self._fragments):
+            self._complete(block, last=True)
+        exponents, subnormals = self._exponents()
+        return TensorStats(
+            dtype=self.dtype.name,
+            count=self.count,
+            min=self._min,
+            max=self._max,
+            max_abs=None if self._peak is None else self._peak[0],
+            argmax_abs=None if self._peak is None else self._peak[1],
+            mean=self._mean(),
+            std=self._std(),
+            zeros=self.zeros,
+            subnormals=subnormals,
+            nan=self.nan,
+            posinf=self.posinf,
+            neginf=self.neginf,
+            exponents=exponents,
+            all_zero=self.count > 0 and self.zeros == self.count,
+            constant=self.count > 1 and not self.nan and self._min == self._max,
+            casts=tuple(self._cast_readiness(t) for t in self.targets),
+        )
+
+    # --- values -------------------------------------------------------------------------------------
+
+    def _add_floats(self, x: np.ndarray, start: int, whole: bool) -> None:
+        """Adds floating values from flat index `start`; `whole`: they are whole blocks, else a fragment."""
+        self.count += x.size
+        # A signalling NaN in the data raises "invalid" when converted; it is a NaN all the same.
+        with np.errstate(invalid="ignore"):
+            w = widen(x)[1]
+        lo, hi = int(np.argmin(w)), int(np.argmax(w))  # a NaN, where there is one: the first
+        finite = math.isfinite(w[lo]) and math.isfinite(w[hi])
+        if finite:
+            self._extremes(*_extremes_of(w, lo, hi, np.arange(0), start))
+            nonfinite = 0
+        else:
+            w, nonfinite = self._count_nonfinite(w, start)
+        zeros = x.size - int(np.count_nonzero(np.not_equal(w, 0.0))) - nonfinite  # NaN and Inf became 0 in w
+        self.zeros += zeros
+        self._add_sums(w)
+        self._add_casts(x, finite, zeros, errors=whole)
+        if not whole:
+            block = start // BLOCK
+            self._fragments.setdefault(block, []).append((start, x.copy()))
+            self._complete(block)
+
+    def _count_nonfinite(self, w: np.ndarray, start: int) -> tuple[np.ndarray, int]:
+        """Counts NaN and ±Inf and takes the extremes of the other values.
+
+        Returns:
+            The values with NaN and Inf as 0, and how many those were.
+        """
+        nan = np.isnan(w)
+        counts = [int(np.count_nonzero(c)) for c in (nan, w == math.inf, w == -math.inf)]
+        self.nan += counts[0]
+        self.posinf += counts[1]
+        self.neginf += counts[2]
+        numbers = np.flatnonzero(~nan)
+        if numbers.size:
+            v = w[numbers]
+            self._extremes(*_extremes_of(v, int(np.argmin(v)), int(np.argmax(v)), numbers, start))
+        return np.where(np.isfinite(w), w, 0.0), sum(counts)
+
+    def _extremes(self, lo: float | int, hi: float | int, peak: float | int, index: int) -> None:
+        """Takes in a smallest and a largest value and a largest magnitude at a flat index."""
+        if self._min is None:
+            self._min, self._max, self._peak = lo, hi, (peak, index)
+            return
+        self._min, self._max = min(self._min, lo), max(self._max, hi)
+        if (-peak, index) < (-self._peak[0], self._peak[1]):  # larger, or as large and earlier
+            self._peak = (peak, index)
+
+    def _add_sums(self, w: np.ndarray) -> None:
+        """Adds finite values' binades and their exact sums of x and x² (see `binade_sums`)."""
+        counts, sums, squares = binade_sums(w, _precision(self._part))
+        self._bins += counts
+        for s in sums:
+            used = np.flatnonzero(s)
+            add_signed(self._sum, self._sum_neg, s[used], used - _OFFSET)
+        for s in squares:
+            used = np.flatnonzero(s)
+            self._squares.add_terms(s[used], 2 * (used - _OFFSET))
+
+    def _add_integers(self, x: np.ndarray, start: int) -> None:
+        """Adds integer or bool values: extremes, zeros and exact sums as Python integers."""
+        if not x.size:
+            return
+        self.count += x.size
+        if x.dtype.kind == "b":
+            x = x.view(np.uint8) != 0
+        i_lo, i_hi = int(np.argmin(x)), int(np.argmax(x))
+        lo, hi = int(x[i_lo]), int(x[i_hi])
+        peak, index = _peak_of(lo, hi, i_lo, i_hi)
+        self._extremes(lo, hi, peak, start + index)
+        self.zeros += x.size - int(np.count_nonzero(x))
+        if x.dtype.itemsize <= 2:  # squares below 2**32: int64 sums of fewer than 2**31 of them are exact
+            wide = x.astype(np.int64)
+            self._int_sum += int(np.add.reduce(wide))
+            self._int_squares += int(np.dot(wide, wide))
+            return
+        for piece in range(0, x.size, PIECE):
+            values = x[piece : piece + PIECE].tolist()
+            self._int_sum += sum(values)
+            self._int_squares += sum(v * v for v in values)
+
+    # --- casts --------------------------------------------------------------------------------------
+
+    def _add_casts(self, x: np.ndarray, finite: bool, zeros: int, errors: bool) -> None:
+        """Counts what casting `x` (holding `zeros` zeros) to each target does; adds the errors where `errors`."""
+        for t in self.targets:
+            counts, kept, cast = _cast(x, t, finite, zeros)
+            self._readiness[t] = [a + b for a, b in zip(self._readiness[t], counts, strict=True)]
+            if errors:
+                self._errors[t].add(kept, cast)
+
+    def _complete(self, block: int, last: bool = False) -> None:
+        """Adds a block's cast errors once all its parts are here (or, `last`, what there is: the tail)."""
+        pieces = self._fragments[block]
+        if not last and sum(v.size for _, v in pieces) < BLOCK:
+            return
+        del self._fragments[block]
+        pieces.sort(key=lambda piece: piece[0])
+        x = np.concatenate([v for _, v in pieces])
+        finite = bool(np.isfinite(x.astype(np.float64)).all())
+        for t in self.targets:
+            _, kept, cast = _cast(x, t, finite, 0)
+            errors = DiffAccumulator(2)  # a block of its own, whatever came before: a tail stays a tail
+            errors.add(kept, cast)
+            self._errors[t].merge(errors)
+
+    def _cast_readiness(self, t: np.dtype) -> CastReadiness:
+        overflow, flush, subnormal = self._readiness[t]
+        return CastReadiness(t.name, overflow, flush, subnormal, self._errors[t].result().rel)
+
+    # --- results ------------------------------------------------------------------------------------
+
+    def _exponents(self) -> tuple[tuple[tuple[int, int], ...], int]:
+        """The histogram of binary exponents, and the values subnormal in the tensor's dtype."""
+        if not self._floating:
+            return (), 0
+        bins = self._bins.copy()
+        bins[_OFFSET] -= self.zeros + self.nan + self.posinf + self.neginf  # all 0 to frexp: its exponent 0
+        used = np.flatnonzero(bins)
+        pairs = tuple((int(b) - _OFFSET - 1, int(bins[b])) for b in used)
+        smallest = math.frexp(float(ml_dtypes.finfo(self._part).smallest_normal))[1] - 1
+        return pairs, sum(n for e, n in pairs if e < smallest)
+
+    def _exact_sums(self) -> tuple[int, int, int, int]:
+        """Σx as (integer, exponent) and Σx² likewise: the value is integer * 2**exponent."""
+        if not self._floating:
+            return self._int_sum, 0, self._int_squares, 0
+        return *signed(self._sum, self._sum_neg), self._squares.acc, self._squares.low
+
+    def _mean(self) -> float | None:
+        if not self.count:
+            return None
+        if self.nan or (self.posinf and self.neginf):
+            return math.nan
+        if self.posinf or self.neginf:
+            return math.inf if self.posinf else -math.inf
+        total, low = self._exact_sums()[:2]
+        return _dyadic_over(total, low, self.count)
+
+    def _std(self) -> float | None:
+        """sqrt((nΣx² − (Σx)²) / n²), the numerator an exact integer times a power of two: correctly rounded."""
+        if not self.count:
+            return None
+        if self.nan or self.posinf or self.neginf:
+            return math.nan
+        s, s_low, q, q_low = self._exact_sums()
+        low = min(q_low, 2 * s_low)
+        spread = (self.count * q << (q_low - low)) - (s * s << (2 * s_low - low))
+        if not spread:
+            return 0.0
+        return ldexp(*int_root(*int_quotient(spread, low, self.count * self.count, 0), 2.0))
+
+
+def tensor_stats(t: Any, casts: Any = None) -> TensorStats:
+    """The exact statistics of a whole tensor (array-like): `StatsAccumulator` fed it in one chunk.
+
+    Args:
+        t: the tensor.
+        casts: the cast targets; None for those narrower than its dtype (`default_casts`).
+    """
+    t = as_tensor(t)
+    acc = StatsAccumulator(t.dtype, casts)
+    acc.add(t, 0)
+    return acc.result()
+
+
+def binade_sums(w: np.ndarray, precision: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Finite float64 values per binade, and their sums of x and of x², exact, as float64 per binade.
+
+    Each value is f * 2**e (np.frexp: |f| in [0.5, 1)), f a multiple of 2**-precision. f is split into
+    limbs of `bits` bits (`_limbs`); a binade's limbs, and the products of two limbs, are multiples of one
+    unit and below 2**(2 * bits) of them, so float64 adds up to 2**(53 - 2 * bits) of them exactly (2**17
+    for float64's 18-bit limbs, `PIECE` values: the most one call sees).
+
+    Returns:
+        counts: values per bin (bin e + _OFFSET; zeros fall in bin _OFFSET);
+        sums: arrays whose sum is, per bin, the sum of f (Σx is Σ sums[b] * 2**e);
+        squares: arrays whose sum is, per bin, the sum of f² (Σx² is Σ squares[b] * 2**(2e)).
+    """
+    f, e = np.frexp(w)
+    key = e.astype(np.intp)
+    key += _OFFSET
+    counts = np.bincount(key, minlength=_BINS)
+    bits, limbs = _limbs(f, precision)
+
+    def binned(weights: np.ndarray) -> np.ndarray:
+        return np.bincount(key, weights=weights, minlength=_BINS)
+
+    # Σf: f itself holds at most 2 * bits bits (the last limb apart, for float64: 36 and 17)
+    sums = [binned(f)] if precision <= 2 * bits else [binned(limbs[0] + limbs[1]), binned(limbs[2])]
+    squares = []
+    for i, a in enumerate(limbs):
+        squares.append(binned(a * a))
+        for b in limbs[i + 1 :]:
+            squares.append(2.0 * binned(a * b))  # doubled once summed: doubled terms could pass 2**53 units
+    return counts, sums, squares
+
+
+def _limbs(f: np.ndarray, precision: int) -> tuple[int, list[np.ndarray]]:
+    """f (|f| < 1, multiples of 2**-precision) as a sum of limbs of at most `bits` bits each, the first largest."""
+    bits = precision if precision <= 11 else 12 if precision <= 24 else 18
+    limbs, rest = [], f
+    for i in range(1, -(-precision // bits)):
+        scale = 2.0 ** (bits * i)
+        top = np.trunc(rest * scale) / scale  # exact: scaling by powers of two, truncation, and rest − top
+        limbs.append(top)
+        rest = rest - top
+    limbs.append(rest)
+    return bits, limbs
+
+
+def _cast(x: np.ndarray, target: np.dtype, finite: bool, zeros: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Casts values to `target` (round-to-nearest-even) and counts what happens to them.
+
+    Args:
+        x: the values, of the tensor's dtype (a complex tensor's parts).
+        target: the dtype cast to.
+        finite: whether every value is finite.
+        zeros: how many values are zero.
+
+    Returns:
+        [overflow, flush, subnormal]; the values and their casts to compare (float32 for float8 targets),
+        both 0 where a value is not finite or overflows.
+    """
+    source = x if x.dtype.kind == "f" else x.astype(np.float32)  # ml_dtypes' floats widen exactly to float32
+    if source.dtype == np.float64:  # ml_dtypes rounds float64 twice (through float32): rounded here, once
+        cast = wide = _rounded(source, target)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflowing casts are what is counted here
+            cast = source.astype(target)
+        wide = _widened(target)[cast.view(np.uint8 if target.itemsize == 1 else np.uint16)]
+    numbers = np.isfinite(wide)
+    overflow = x.size - int(np.count_nonzero(numbers))
+    if not finite:
+        overflow -= int(np.count_nonzero(~np.isfinite(x.astype(np.float64))))
+    zero = int(np.count_nonzero(wide == 0.0))
+    tiny = float(ml_dtypes.finfo(target).smallest_normal)
+    subnormal = int(np.count_nonzero(np.abs(wide) < tiny)) - zero
+    if overflow or not finite:
+        kept = numbers & np.isfinite(x.astype(np.float64))
+        # as floats: float8_e8m0fnu has no zero (its bits 0 are 2**-127)
+        x, cast, wide = (np.where(kept, v, np.zeros((), v.dtype)) for v in (source, cast, wide))
+    return [overflow, zero - zeros, subnormal], x, wide if target.itemsize == 1 else cast
+
+
+def _rounded(w: np.ndarray, target: np.dtype) -> np.ndarray:
+    """float64 values rounded to nearest even in `target` (inf beyond its largest finite value), exactly.
+
+    Each value is scaled by a power of two so that its last place in `target` (that of the binade, or of
+    the subnormals) becomes 1, rounded to an integer by np.rint (to even on ties) and scaled back.
+    """
+    info = ml_dtypes.finfo(target)
+    smallest = math.frexp(float(info.smallest_normal))[1] - 1
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and Inf stay NaN and Inf
+        shift = np.maximum(np.frexp(w)[1] - 1, smallest) - (_precision(target) - 1)
+        r = np.ldexp(np.rint(np.ldexp(w, -shift)), shift)
+        return np.where(np.abs(r) > float(info.max), np.copysign(np.inf, w), r)
+
+
+_tables: dict[np.dtype, np.ndarray] = {}
+
+
+def _widened(target: np.dtype) -> np.ndarray:
+    """Every value of an 8- or 16-bit float as float32, indexed by its bits: a faster widening than a cast."""
+    table = _tables.get(target)
+    if table is None:
+        bits = np.arange(1 << (8 * target.itemsize), dtype=np.uint8 if target.itemsize == 1 else np.uint16)
+        table = _tables[target] = bits.view(target).astype(np.float32)
+    return table
+
+
+def _extremes_of(v: np.ndarray, i_lo: int, i_hi: int, where: np.ndarray, start: int) -> tuple[float, float, float, int]:
+    """A chunk's smallest and largest value (at i_lo and i_hi of `v`), its largest magnitude and that one's flat index.
+
+    `where` gives the chunk index of each of `v`'s values (empty: v is the chunk). -0.0 is taken as 0.0,
+    so that which of two equal zeros comes first does not change a bit.
+    """
+    lo, hi = float(v[i_lo]) + 0.0, float(v[i_hi]) + 0.0
+    peak, index = _peak_of(lo, hi, i_lo, i_hi)
+    return lo, hi, peak, start + (int(where[index]) if where.size else index)
+
+
+def _peak_of(lo: float | int, hi: float | int, i_lo: int, i_hi: int) -> tuple[float | int, int]:
+    """The largest magnitude among values whose extremes lie at indices i_lo and i_hi, with its (first) index."""
+    if hi > -lo or (hi == -lo and i_hi < i_lo):
+        return abs(hi), i_hi
+    return abs(lo), i_lo
+
+
+def _part_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype of a complex dtype's parts; any other dtype itself."""
+    return np.dtype(f"f{dtype.itemsize // 2}") if dtype.kind == "c" else dtype
+
+
+def _precision(dtype: np.dtype) -> int:
+    """The significant bits of a floating dtype's values (the implicit bit included)."""
+    return int(ml_dtypes.finfo(dtype).nmant) + 1
+
+
+def _dyadic_over(total: int, low: int, n: int) -> float:
+    """total * 2**low / n, correctly rounded (Python's integer division is)."""
+    return (total << low) / n if low >= 0 else total / (n << -low)

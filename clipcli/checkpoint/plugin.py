@@ -29,6 +29,9 @@ class Plan(NamedTuple):
     directory: Path | None = None
 
 
+DIRECTORY = "directory"  # the kind of an output path that names no file (no format's suffix): a directory
+
+
 class Target(NamedTuple):
     """An output path as given (`raw`), its path, what it names (`write.output_kind`), whether clipcli writes that,
     the hint its error messages end with, and the option that named it."""
@@ -50,6 +53,7 @@ class DirectoryWriter(NamedTuple):
     `finish(plan)` writes what goes after the data files (an index), and returns the files it wrote;
     `check_target(target, source, resharding, command)` refuses an output that this source cannot be written to
     (its own place, for a checkpoint clipcli does not write back; a directory, for one that is not sharded).
+    `written` holds the kinds `kind_of` names that it writes; `names` says, in a message, what to name instead.
     """
 
     kind_of: Callable[[str], str | None]
@@ -57,6 +61,8 @@ class DirectoryWriter(NamedTuple):
     check: Callable[[Plan, Any], None]
     finish: Callable[[Plan], list[Path]]
     check_target: Callable[[Target, Any, bool, str], None]
+    written: frozenset[str] = frozenset()
+    names: str = "a directory"
 
 
 class Opened(NamedTuple):

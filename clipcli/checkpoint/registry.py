@@ -24,6 +24,8 @@ _BUILTIN: list[tuple[str, str, tuple[str, ...], bool]] = [  # name, module, suff
     ("sharded", "sharded", (".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json"), True),
 ]
 _DIRECTORY_WRITER = "sharded"  # the format a directory output is written in
+# What to name instead of an output clipcli cannot write (in place: what the input could be converted to)
+_OUTPUT_HINTS = ("name a .safetensors, .npz or .npy file", "give -o OUT.safetensors (or .npz) instead")
 _MODULES = {name: module for name, module, _, _ in _BUILTIN}
 _SUFFIXES = {name: suffixes for name, _, suffixes, _ in _BUILTIN}
 _DIRECTORIES = [name for name, _, _, directory in _BUILTIN if directory]
@@ -161,6 +163,11 @@ def directory_writer() -> DirectoryWriter:
     writer = get(_DIRECTORY_WRITER).directory_writer
     assert writer is not None
     return writer
+
+
+def output_hint(in_place: bool = False) -> str:
+    """What a message about an output clipcli cannot write tells to name instead."""
+    return _OUTPUT_HINTS[in_place]
 
 
 def writable(name: str | None) -> bool:

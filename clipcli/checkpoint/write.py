@@ -15,7 +15,7 @@ import numpy as np
 from clipcli.checkpoint import registry
 from clipcli.checkpoint.atomic import atomic_write, resolve_target
 from clipcli.checkpoint.engine import CHUNK_BYTES
-from clipcli.checkpoint.plugin import Plan, Target
+from clipcli.checkpoint.plugin import DIRECTORY, Plan, Target
 from clipcli.checkpoint.reader import Checkpoint
 from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import ClipcliError, UnsupportedError, UsageError, WriteError
@@ -24,9 +24,14 @@ _MAX_OPEN_OUTPUT = 64  # output files written at once by workers; more are writt
 
 
 def output_kind(path: Path) -> str:
-    """The format a path names: a file format's name, 'index' (of shards, written), 'torch-index' (read only)
-    or 'directory'."""
-    return registry.directory_writer().kind_of(path.name) or registry.named_by(path.name) or "directory"
+    """What a path names: a file format's name, one of the directory writer's own names (an index of shards),
+    or DIRECTORY."""
+    return registry.directory_writer().kind_of(path.name) or registry.named_by(path.name) or DIRECTORY
+
+
+def _in_directory(kind: str) -> bool:
+    """Whether an output of this kind is written by the directory writer (a directory, or an index of shards)."""
+    return kind == DIRECTORY or kind in registry.directory_writer().written
 
 
 def check_output(
@@ -48,19 +53,16 @@ def check_output(
     """
     raw = os.fspath(text)
     out = Path(raw)
-    hint = (
-        "give -o OUT.safetensors (or .npz) instead"
-        if param == "--in-place"
-        else "name a .safetensors, .npz or .npy file"
-    )
+    hint = registry.output_hint(in_place=param == "--in-place")
     if raw == "-":
         raise UsageError(f"clipcli writes files, not standard output; {hint}", raw, param)
     if not raw:  # Path("") is the current directory, which a sharded output would fill
         raise UsageError(f"an empty path names no file; {hint}", None, param)
     kind = output_kind(out)
-    writable = kind in ("index", "directory") or (kind != "torch-index" and registry.writable(kind))
+    shards = registry.directory_writer()
+    writable = _in_directory(kind) or (shards.kind_of(out.name) is None and registry.writable(kind))
     target = Target(raw, out, kind, writable, hint, param)
-    registry.directory_writer().check_target(target, source, resharding, command)
+    shards.check_target(target, source, resharding, command)
     return out
 
 
@@ -307,11 +309,10 @@ def plan(
     kind = output_kind(out)
     tensors = source.tensors if tensors is None else tensors
     shards = registry.directory_writer()
-    if kind in ("directory", "index"):
+    if _in_directory(kind):
         layout = shards.plan(source, out, kind, tensors, max_shard)
     elif max_shard is not None:
-        message = "writes shards: name a directory (or a *.safetensors.index.json)"
-        raise UsageError(message, out, "--max-shard-size")
+        raise UsageError(f"writes shards: name {shards.names}", out, "--max-shard-size")
     else:
         layout = Plan([(out, tensors)])
     shards.check(layout, source)

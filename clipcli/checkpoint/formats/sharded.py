@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 from clipcli.checkpoint.atomic import atomic_write, resolve_target
 from clipcli.checkpoint.formats import safetensors as _safetensors
-from clipcli.checkpoint.plugin import DirectoryWriter, Format, Opened, Plan, Target
+from clipcli.checkpoint.plugin import DIRECTORY, DirectoryWriter, Format, Opened, Plan, Target
 from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import InputError, MalformedError, MissingFileError, UsageError, WriteError
@@ -220,10 +220,10 @@ def check_target(target: Target, source: Any, resharding: bool, command: str) ->
         out == source.path and (source.format == "distcp" or (source.format == "sharded-torch" and not resharding))
     ):
         raise UsageError(f"clipcli reads PyTorch files but does not write them; {hint}", raw, param)
-    if kind in ("index", "directory") and source.format == "sharded-torch" and not resharding:
+    if kind in ("index", DIRECTORY) and source.format == "sharded-torch" and not resharding:
         shards = "clipcli convert --max-shard-size writes them as .safetensors shards"
         raise UsageError(f"clipcli reads PyTorch shards but does not write them; {hint} ({shards})", raw, param)
-    if kind == "directory" and not (out == source.path and source.format == "sharded"):
+    if kind == DIRECTORY and not (out == source.path and source.format == "sharded"):
         if out.suffix and not raw.endswith(("/", os.sep)) and not out.is_dir():
             raise UsageError(
                 f"unknown output format {out.suffix!r}; {hint} (or a directory for a sharded input)", raw, param
@@ -311,5 +311,13 @@ FORMAT = Format(
     (INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES),
     recognises=lambda directory, store: True,  # any directory: the last directory format asked
     open=open_path,
-    directory_writer=DirectoryWriter(kind_of, plan_output, _check_output, _write_index, check_target),
+    directory_writer=DirectoryWriter(
+        kind_of,
+        plan_output,
+        _check_output,
+        _write_index,
+        check_target,
+        written=frozenset({"index"}),
+        names=f"a directory (or a *{INDEX_SUFFIX})",
+    ),
 )

@@ -5,8 +5,9 @@
     python benchmarks/run.py --jobs 1,2,4,8,16     # the scaling tables, one per --jobs
     python benchmarks/run.py --only scaling,tiny   # some sections: scaling, baselines, diff, torch, distcp,
                                                    # workers, tiny, help, memory
-    python benchmarks/run.py --clipcli "env PYTHONPATH=. python -m clipcli" \
-        --versus "env PYTHONPATH=../before python -m clipcli"   # this tree against another, row by row
+    python -P benchmarks/run.py --clipcli "env PYTHONPATH=$PWD python -P -m clipcli" \
+        --versus "env PYTHONPATH=$PWD/../before python -P -m clipcli"   # this tree against another, row by row
+                                                   # (-P: `python -m` would import the clipcli in the cwd)
 
 Prints, for each comparison, the median wall time of each side over --reps alternating pairs, the ratio of
 the medians, and each side's peak memory: the largest sum of PSS (proportional set size: a page shared by

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from clipcli.errors import UsageError
+from clipcli.errors import UnsupportedError, UsageError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -74,13 +74,39 @@ class CheckpointFile:
         return self._tensors[name]
 
     def read(self, name: str) -> np.ndarray:
-        """The whole tensor as an array of its shape (for tensors that fit in memory)."""
-        return self._ckpt.read(self.info(name))
+        """The whole tensor as an array of its shape (for tensors that fit in memory); a type carried as bytes
+        (strings, records of an .npz) as an array of its own NumPy type.
+
+        Raises:
+            UnsupportedError: for a tensor listed but not read (sparse, quantized, meta: the reason says).
+        """
+        info = self._readable(name)
+        if info.array_dtype is not None:
+            return self._ckpt.read(info)
+        from clipcli.checkpoint import carried_dtype
+
+        raw = self._ckpt.read_flat(info)
+        dtype = carried_dtype(info)
+        if dtype is None:
+            return raw
+        import numpy as np
+
+        return np.frombuffer(raw.tobytes(), dtype).reshape(info.shape, order="F" if info.fortran_order else "C")
 
     def chunks(self, name: str) -> Iterator[np.ndarray]:
-        """The tensor's values as flat arrays in storage order, a few MiB each. Each is a view of one reused
-        buffer, valid until the next is produced: copy what you keep."""
-        return self._ckpt.chunks(self.info(name))
+        """The tensor's values as flat arrays in storage order, a few MiB each (a type carried as bytes: its
+        bytes). Each is a view of one reused buffer, valid until the next is produced: copy what you keep.
+
+        Raises:
+            UnsupportedError: for a tensor listed but not read (sparse, quantized, meta: the reason says).
+        """
+        return self._ckpt.chunks(self._readable(name))
+
+    def _readable(self, name: str) -> TensorInfo:
+        info = self.info(name)
+        if info.skip is not None:
+            raise UnsupportedError(f"clipcli does not read this tensor's values: {info.skip}", info.file, name)
+        return info
 
     def close(self) -> None:
         self._ckpt.close()
@@ -194,9 +220,11 @@ def diff_of(
         return diff(ca, cb, options)
 
 
-def _clip(path: PathLike, run: Any, kind: Any, output: PathLike | None, in_place: bool, **options: Any) -> Any:
+def _clip(
+    path: PathLike, run: Any, kind: Any, output: PathLike | None, in_place: bool, drop_metadata: bool, **options: Any
+) -> Any:
     """Opens the checkpoint, checks where it goes (None and not `in_place`: a dry run), and clips it with `run`,
-    given its options (of type `kind`)."""
+    given its options (of type `kind`); `drop_metadata` writes none of the checkpoint's metadata."""
     from clipcli.checkpoint import open_checkpoint
     from clipcli.commands.passes import workers
     from clipcli.commands.write import output_target
@@ -206,6 +234,8 @@ def _clip(path: PathLike, run: Any, kind: Any, output: PathLike | None, in_place
     options["selection"] = _selection(options.pop("include"), options.pop("exclude"))
     options["jobs"] = workers(options["jobs"])
     with open_checkpoint(path) as ckpt:
+        if drop_metadata:
+            ckpt.metadata = {}
         out = None if output is None else os.fspath(output)
         target = output_target(ckpt, out, in_place, dry_run=output is None and not in_place)
         return run(ckpt, kind(output=target, in_place=in_place, **options))
@@ -218,6 +248,7 @@ def clip_value_of(
     max: float,
     output: PathLike | None = None,
     in_place: bool = False,
+    drop_metadata: bool = False,
     include: str | Iterable[str] = (),
     exclude: str | Iterable[str] = (),
     sort: str | None = None,
@@ -230,7 +261,7 @@ def clip_value_of(
     from clipcli.commands import clip
 
     return _clip(
-        path, clip.clip_value, clip.ClipValueOptions, output, in_place, min=float(min), max=float(max),
+        path, clip.clip_value, clip.ClipValueOptions, output, in_place, drop_metadata, min=float(min), max=float(max),
         include=include, exclude=exclude, sort=sort, top=top, jobs=jobs,
     )  # fmt: skip
 
@@ -242,6 +273,7 @@ def clip_norm_of(
     axes: Sequence[int] | None = None,
     output: PathLike | None = None,
     in_place: bool = False,
+    drop_metadata: bool = False,
     allow_nonfinite: bool = False,
     include: str | Iterable[str] = (),
     exclude: str | Iterable[str] = (),
@@ -254,7 +286,7 @@ def clip_norm_of(
     from clipcli.commands import clip
 
     return _clip(
-        path, clip.clip_norm, clip.ClipNormOptions, output, in_place, clip_norm=float(clip_norm),
+        path, clip.clip_norm, clip.ClipNormOptions, output, in_place, drop_metadata, clip_norm=float(clip_norm),
         axes=None if axes is None else tuple(axes), allow_nonfinite=allow_nonfinite, include=include,
         exclude=exclude, sort=sort, top=top, jobs=jobs,
     )  # fmt: skip
@@ -267,6 +299,7 @@ def clip_global_norm_of(
     use_norm: float | None = None,
     output: PathLike | None = None,
     in_place: bool = False,
+    drop_metadata: bool = False,
     allow_nonfinite: bool = False,
     include: str | Iterable[str] = (),
     exclude: str | Iterable[str] = (),
@@ -282,7 +315,8 @@ def clip_global_norm_of(
     from clipcli.commands import clip
 
     return _clip(
-        path, clip.clip_global_norm, clip.ClipGlobalNormOptions, output, in_place, clip_norm=float(clip_norm),
+        path, clip.clip_global_norm, clip.ClipGlobalNormOptions, output, in_place, drop_metadata,
+        clip_norm=float(clip_norm),
         use_norm=None if use_norm is None else float(use_norm), allow_nonfinite=allow_nonfinite, include=include,
         exclude=exclude, sort=sort, top=top, jobs=jobs,
     )  # fmt: skip
@@ -335,21 +369,31 @@ def failures(
     (where the command line exits 0; it exits 1 with the first line otherwise).
 
     Raises:
-        TypeError: for a report of another command, or a gate the command does not have.
+        UsageError: for a threshold below 0 or NaN, or a gate over a report where nothing was measured (no
+            floating tensor selected): a gate never passes because nothing was measured, as on the command line.
+        TypeError: for a gate the report's command does not have.
     """
     from clipcli.report.diff import DiffReport
     from clipcli.report.norms import NormReport
 
-    if isinstance(report, NormReport):
-        if fail_rel_above is not None or fail_different:
-            raise TypeError("global-norm has the gates fail_above and fail_nonfinite")
+    for value, param in ((fail_above, "--fail-above"), (fail_rel_above, "--fail-rel-above")):
+        if value is not None and not value >= 0:
+            raise UsageError(f"must be a number >= 0 (a norm is never negative), got {value}", None, param)
+    if fail_above is None and fail_rel_above is None and not (fail_nonfinite or fail_different):
+        return []  # no gate: the command line exits 0
+    if isinstance(report, NormReport) and fail_rel_above is None and not fail_different:
         from clipcli.commands import global_norm
 
-        return global_norm.failures(report, global_norm.NormLimits(fail_above, fail_nonfinite))
-    if isinstance(report, DiffReport):
-        if fail_nonfinite:
-            raise TypeError("diff has the gates fail_above, fail_rel_above and fail_different")
+        limits = global_norm.NormLimits(fail_above, fail_nonfinite)
+        for c in report.checkpoints:
+            global_norm.check_measured(c, limits)
+        return global_norm.failures(report, limits)
+    if isinstance(report, DiffReport) and not fail_nonfinite:
         from clipcli.commands import diff
 
-        return diff.failures(report, diff.DiffLimits(fail_above, fail_rel_above, fail_different))
-    raise TypeError(f"no gates for {type(report).__name__}")
+        limits = diff.DiffLimits(fail_above, fail_rel_above, fail_different)
+        diff.check_measured(report, limits)
+        return diff.failures(report, limits)
+    gates = {NormReport: "fail_above and fail_nonfinite", DiffReport: "fail_above, fail_rel_above and fail_different"}
+    have = next((f"has the gates {g}" for kind, g in gates.items() if isinstance(report, kind)), "has no gates")
+    raise TypeError(f"a {type(report).__name__} {have}")

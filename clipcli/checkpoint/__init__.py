@@ -45,6 +45,7 @@ __all__ = [
     "atomic_write",
     "byte_layout",
     "c_order",
+    "carried_dtype",
     "check_output",
     "check_plan",
     "check_report",
@@ -69,6 +70,13 @@ def byte_layout(t: TensorInfo) -> tuple[str, bool]:
     from clipcli.checkpoint.formats.npy import byte_layout as layout  # here: only comparing such types needs it
 
     return layout(t)
+
+
+def carried_dtype(t: TensorInfo) -> Any:
+    """The NumPy type of a type clipcli carries as bytes (`array_dtype` None: strings, records), or None."""
+    from clipcli.checkpoint.formats.npy import carried_dtype as dtype  # here: only such types need it
+
+    return dtype(t)
 
 
 def __getattr__(name: str) -> Any:

@@ -97,7 +97,8 @@ class Format:
     chunks), and where its data can be written in any order once its header is, `header`; `check_tensor` and
     `check_file` refuse, before anything is written, what it cannot hold (raising UnsupportedError).
     `c_order` says it holds values in C order only; `layout_keys`, the metadata keys that say how a file was
-    written, not what it holds; `directory_writer`, how it writes a directory of files, where it does.
+    written, not what it holds; `directory_writer`, how it writes a directory of files, where it does;
+    `plural`, what messages call its files.
     """
 
     name: str
@@ -114,3 +115,4 @@ class Format:
     c_order: bool = False
     layout_keys: frozenset[str] = frozenset()
     directory_writer: DirectoryWriter | None = None
+    plural: str = ""  # what messages call its files ("PyTorch files"); "" is "<name> files"

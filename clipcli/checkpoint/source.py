@@ -250,7 +250,14 @@ def size_of(f: BinaryIO) -> int:
     raw = getattr(f, "raw", f)
     if isinstance(raw, SourceFile):
         return raw.source.size()
-    return os.fstat(f.fileno()).st_size
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, io.UnsupportedOperation):  # a file object of a store's own (io.BytesIO): seekable
+        here = f.tell()
+        try:
+            return f.seek(0, os.SEEK_END)
+        finally:
+            f.seek(here)
 
 
 def pread_of(f: BinaryIO) -> Any:
@@ -265,7 +272,19 @@ def pread_of(f: BinaryIO) -> Any:
             return bytes(buf[:got])
 
         return pread
-    fd = f.fileno()
+    try:
+        fd = f.fileno()
+    except (AttributeError, io.UnsupportedOperation):  # a file object of a store's own: seek and read
+
+        def seek_and_read(offset: int, n: int) -> bytes:
+            here = f.tell()
+            try:
+                f.seek(offset)
+                return f.read(n)
+            finally:
+                f.seek(here)
+
+        return seek_and_read
     return lambda offset, n: os.pread(fd, n, offset)
 
 

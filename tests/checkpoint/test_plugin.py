@@ -138,3 +138,13 @@ def test_inspect_of_a_safetensors_file_imports_no_other_format(tmp_path: Path) -
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = ["clipcli.checkpoint.formats._common", "clipcli.checkpoint.formats.safetensors"]
     assert done.stdout.strip().splitlines()[-1] == str(loaded)
+
+
+def test_writing_a_format_that_is_read_only_names_it(tmp_path: Path, raw_format) -> None:
+    # found by a new user: a registered read-only format's output was refused as "PyTorch files"
+    src = write_raw(tmp_path / "model.raw", TENSORS)
+    for output in (["-o", tmp_path / "out.raw"], ["--in-place"]):
+        result = CliRunner().invoke(app, ["clip-value", str(src), *map(str, output), "--min", "0", "--max", "1"])
+        assert result.exit_code == 2
+        assert "clipcli reads raw files but does not write them; " in result.stderr, result.stderr
+    assert not (tmp_path / "out.raw").exists()

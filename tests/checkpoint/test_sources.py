@@ -4,6 +4,7 @@ and a source that fails half-way gives one error line (exit 3), with no format k
 from __future__ import annotations
 
 import errno
+import io
 import json
 import shutil
 import struct
@@ -139,3 +140,22 @@ def test_forked_workers_read_through_the_store(tmp_path: Path, kind: str, monkey
             parts = engine.run(ckpt, numeric, _Sums, jobs=2, kind=how, unit=1)
         results[how] = {k: v for part in parts for k, v in part.items()}
     assert results["inline"] and results["inline"] == results["threads"] == results["processes"]
+
+
+class BytesStore(MemoryStore):
+    """A store of one's own whose files open as plain in-memory file objects (no descriptor, no source)."""
+
+    def open(self, path: Path):
+        return io.BytesIO(self.files[Path(path)])
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_store_may_open_files_as_any_seekable_file_object(tmp_path: Path, kind: str) -> None:
+    # found by a new user: a Store whose `open` returned io.BytesIO failed with "cannot read: fileno"
+    path = make(kind, tmp_path)
+    with open_checkpoint(path) as ckpt:
+        expected = contents(ckpt)
+    store = BytesStore.copy_of([path])
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    with open_checkpoint(path, store) as ckpt:
+        assert contents(ckpt) == expected

@@ -149,3 +149,62 @@ def test_import_clipcli_imports_no_numpy():
     code = "import sys, clipcli; clipcli.global_norm_of; print('numpy' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=SAMPLES.parent, capture_output=True, text=True, check=True)
     assert done.stdout == "False\n"
+
+
+def test_a_gate_over_nothing_measured_is_refused_as_on_the_command_line(samples):
+    # found by a new user: failures() passed gates over integer-only files that the command line refuses (exit 2)
+    np.savez("ints.npz", a=np.arange(3), b=np.arange(4))
+    np.savez("ints2.npz", a=np.arange(3) + 1, b=np.arange(4))
+    norms, diffs = clipcli.global_norm_of("ints.npz"), clipcli.diff_of("ints.npz", "ints2.npz")
+    for report, gate in ((norms, {"fail_above": 0.0}), (norms, {"fail_nonfinite": True}), (diffs, {"fail_above": 0.0}),
+                         (diffs, {"fail_rel_above": 0.0})):  # fmt: skip
+        with pytest.raises(UsageError, match="nothing to check"):
+            clipcli.failures(report, **gate)
+        assert cli("global-norm" if report is norms else "diff", *(["ints.npz"] if report is norms else
+                   ["ints.npz", "ints2.npz"]), "--" + next(iter(gate)).replace("_", "-"),
+                   *([] if gate.get("fail_nonfinite") else ["0"]))[0] == 2  # fmt: skip
+
+
+def test_failures_refuses_a_negative_threshold_and_passes_a_report_without_gates(samples):
+    # found by a new user: fail_above=-1 was accepted (the command line: exit 2); a clip report raised TypeError
+    report = clipcli.global_norm_of("grads.safetensors")
+    with pytest.raises(UsageError, match=">= 0"):
+        clipcli.failures(report, fail_above=-1.0)
+    assert clipcli.failures(clipcli.clip_global_norm_of("grads.safetensors", clip_norm=1.0)) == []
+
+
+def test_clip_functions_drop_metadata_as_the_command_line_does(samples):
+    # found by a new user: a checkpoint with metadata could not be clipped into .npz from Python
+    from safetensors.numpy import save_file
+
+    kwargs = {"clip_norm": 1.0, "output": "out.npz", "drop_metadata": True}
+    with_metadata = samples / "meta.safetensors"
+    save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, with_metadata, metadata={"format": "pt"})
+    with pytest.raises(clipcli.errors.UnsupportedError, match="drop-metadata"):
+        clipcli.clip_global_norm_of(with_metadata, **{**kwargs, "drop_metadata": False})
+    report = clipcli.clip_global_norm_of(with_metadata, **kwargs)
+    assert report.to_dict()["checkpoints"][0]["output"] == "out.npz"
+    status, _, err = cli("clip-global-norm", with_metadata, "-o", "cli.npz", "--clip-norm", "1", "--drop-metadata")
+    assert status == 0, err
+    with np.load("out.npz") as a, np.load("cli.npz") as b:
+        assert {k: a[k].tobytes() for k in a.files} == {k: b[k].tobytes() for k in b.files}
+
+
+def test_read_gives_arrays_of_their_own_type_and_refuses_what_is_not_read(samples):
+    # found by a new user: a string member came as uint8 bytes; a sparse tensor's read raised a bare AssertionError
+    s = np.array(["x", "yy"])
+    r = np.array([(1, 2.5)], dtype=[("i", "<i4"), ("f", ">f8")])
+    np.savez_compressed("mixed.npz", s=s, r=r, f=np.asfortranarray(np.arange(6.0).reshape(2, 3)))
+    with clipcli.open("mixed.npz") as ckpt:
+        for name, want in (("s", s), ("r", r)):
+            got = ckpt.read(name)
+            assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    special = SAMPLES.parent / "tests" / "data" / "torch" / "special.pt"
+    with clipcli.open(special) as ckpt:
+        skipped = [n for n in ckpt.names if ckpt.info(n).skip is not None]
+        assert skipped
+        for name in skipped:
+            with pytest.raises(clipcli.errors.UnsupportedError, match="does not read this tensor"):
+                ckpt.read(name)
+            with pytest.raises(clipcli.errors.UnsupportedError):
+                next(ckpt.chunks(name))

@@ -246,6 +246,11 @@ def numpy_tensor(name: str, header: NpyHeader, path: Path, location: Any, compre
     )  # fmt: skip
 
 
+def carried_dtype(t: TensorInfo) -> np.dtype | None:
+    """The NumPy type of a type carried as bytes (strings, records), from the .npy header it keeps, if any."""
+    return read_npy_header(io.BytesIO(t.prefix)).dtype if t.prefix else None
+
+
 def byte_layout(t: TensorInfo) -> tuple[str, bool]:
     """How a type carried as bytes lies: its stored type (byte order included; "" where it has no .npy header)
     and whether in Fortran order (where the shape makes the orders differ). Two such tensors of one type whose

@@ -216,6 +216,11 @@ def check_target(target: Target, source: Any, resharding: bool, command: str) ->
             safetensors.
     """
     raw, out, kind, hint, param = target.raw, target.path, target.kind, target.hint, target.param
+    if not target.writable and kind_of(out.name) is None:  # a file format clipcli reads only
+        from clipcli.checkpoint import registry  # here: only a refusal needs the format's record
+
+        fmt = registry.get(kind)
+        raise UsageError(f"clipcli reads {fmt.plural or f'{kind} files'} but does not write them; {hint}", raw, param)
     if not target.writable or (
         out == source.path and (source.format == "distcp" or (source.format == "sharded-torch" and not resharding))
     ):

@@ -461,4 +461,11 @@ def _describe_head(head: bytes) -> str | None:
     return None
 
 
-FORMAT = Format("torch", (".pt", ".pth", ".bin", ".ckpt"), sniff=_sniff, describe=_describe_head, open_file=open_file)
+FORMAT = Format(
+    "torch",
+    (".pt", ".pth", ".bin", ".ckpt"),
+    sniff=_sniff,
+    describe=_describe_head,
+    open_file=open_file,
+    plural="PyTorch files",
+)

@@ -4,7 +4,6 @@
 # as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
 
 import contextlib
-import errno
 import importlib
 import importlib.util
 import math
@@ -18,6 +17,9 @@ import typer
 
 from clipcli import cli_options as opts
 from clipcli._stops import defer_stops, exit_stopped, ignore_stops_if_committed, install_stop_handlers, stop_status
+from clipcli.cli_output import emit as _emit
+from clipcli.cli_output import lost_reports as _lost_reports
+from clipcli.cli_output import progress as _progress
 from clipcli.errors import ClipcliError, ExitStatus, Terminated, printable
 
 app = typer.Typer(
@@ -34,7 +36,6 @@ app = typer.Typer(
 typer.completion.completion_init()  # the shells the completion scripts call back with (add_completion did it)
 
 ISSUES_URL = "https://github.com/clipcli/clipcli/issues"
-PROGRESS_MIN_BYTES = 256 << 20
 
 
 @app.callback()
@@ -119,75 +120,6 @@ def _failed(e: Exception, debug: bool) -> NoReturn:
         f"internal error ({detail}); this is a bug, please report it at {ISSUES_URL} with the output of --debug",
         ExitStatus.INTERNAL,
     )
-
-
-# --- Output -----------------------------------------------------------------------------------------
-
-
-def _is_terminal(stream: Any) -> bool:
-    return stream.isatty()
-
-
-@contextlib.contextmanager
-def _progress(total: int, quiet: bool) -> Iterator[Any]:
-    """A progress bar on stderr for long work, only when stderr is a terminal; it names each pass."""
-    from clipcli.commands.passes import Progress
-
-    if quiet or total < PROGRESS_MIN_BYTES or not _is_terminal(sys.stderr):
-        yield Progress()
-        return
-    from clipcli.report.progress import progress_bar
-
-    with progress_bar(sys.stderr) as bar:
-        yield bar
-
-
-def _write(text: str, for_programs: bool) -> None:
-    """The report on stdout: JSON and CSV as UTF-8 whatever the locale (RFC 8259), the table in the
-    terminal's encoding with what it cannot show escaped (a bar, a name, under cp1252 or ASCII)."""
-    if sys.stdout is None:  # started with it closed (`>&-`, a daemon): Python gives no stream
-        raise OSError(errno.EBADF, "closed")
-    buffer = getattr(sys.stdout, "buffer", None)
-    if for_programs and buffer is not None:
-        sys.stdout.flush()
-        buffer.write(text.encode("utf-8"))
-        buffer.flush()
-        return
-    if not for_programs and hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="backslashreplace")
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-_lost_reports: list[Exception] = []  # a report `_emit` could not write, raised once the command's gates passed
-
-
-def _emit(report: Any, fmt: opts.Format, quiet: bool, report_file: Path | None = None) -> None:
-    """The report on stdout in `fmt` (unless `quiet`), and as JSON in `report_file`."""
-    from clipcli.checkpoint.atomic import atomic_write
-
-    if report_file is not None:
-        with atomic_write(report_file) as f:
-            f.write(report.to_json().encode("utf-8"))
-    if quiet:
-        return
-    for_programs = fmt in (opts.Format.json, opts.Format.csv)
-    if for_programs:
-        text = report.to_json() if fmt is opts.Format.json else report.to_csv()
-    else:
-        text = report.to_text(getattr(sys.stdout, "encoding", None) or "utf-8")
-    try:
-        _write(text, for_programs)
-    except OSError as e:  # a full disk under `> norms.json`, a reader gone: the report, not the checkpoint, is lost
-        from clipcli.errors import WriteError
-
-        with contextlib.suppress(OSError, AttributeError):  # what stays buffered must not fail again at exit (120)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        # The command's gates still decide first (a CI job must see a failed gate, `... --fail-above 1 | head`
-        # too); `_errors` then says the report was lost.
-        lost = WriteError(f"cannot write the report: {e.strerror or e}", "standard output")
-        lost.__cause__ = e
-        _lost_reports.append(e if isinstance(e, BrokenPipeError) else lost)
 
 
 def _gates(failure: str | None) -> None:

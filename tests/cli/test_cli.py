@@ -1265,13 +1265,13 @@ def test_jobs_option_is_honoured_up_to_the_cores(grads, monkeypatch):
 
 
 def test_progress_bar_only_on_a_terminal(grads, monkeypatch):
-    from clipcli import cli
+    from clipcli import cli_output
 
-    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(cli_output, "PROGRESS_MIN_BYTES", 0)
     plain = run("global-norm", grads, "--format", "json")
     assert plain.stderr == ""  # not a terminal: no bar
     advanced = []
-    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(cli_output, "is_terminal", lambda stream: True)
     from rich.progress import Progress
 
     real_advance = Progress.advance
@@ -1285,10 +1285,10 @@ def test_progress_names_each_pass(grads, tmp_path, monkeypatch):
     # found trying clipcli as a new user: the progress bar did not say which pass (measuring, writing) it showed
     from rich.progress import Progress
 
-    from clipcli import cli
+    from clipcli import cli_output
 
-    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)
-    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(cli_output, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(cli_output, "is_terminal", lambda stream: True)
     added = []
     real = Progress.add_task
     monkeypatch.setattr(

@@ -59,4 +59,5 @@ def convert(ckpt: Checkpoint, options: ConvertOptions, progress: Progress = NO_P
         left_out=left_out,
         output=None if o.dry_run else str(o.target),
         files=tuple(files),
+        indexed=layout.index is not None,
     )

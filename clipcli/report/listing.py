@@ -96,6 +96,7 @@ class ConvertReport(Listing, Report):
     left_out: tuple[Skipped, ...] = ()  # tensors not written: left out by --include/--exclude
     output: str | None = None  # None on a dry run
     files: tuple[str, ...] = ()  # the files the conversion writes (or would), an index last
+    indexed: bool = False  # whether the last of `files` is an index of the others (shards)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,8 +119,8 @@ class ConvertReport(Listing, Report):
 
     def _blocks(self) -> list[list[str]]:
         target = "dry run, nothing written" if self.output is None else f"written to {self.output}"
-        shards = [f for f in self.files if not f.endswith(".index.json")]
-        files = f" in {plural(len(shards), 'shard')} and an index" if len(shards) < len(self.files) else ""
+        shards = self.files[:-1] if self.indexed else self.files
+        files = f" in {plural(len(shards), 'shard')} and an index" if self.indexed else ""
         lines = [f"{self.path}: {self.format} -> {self._counts()}{files}; {target}"]
         lines += self._table(len(self.files) > 1)
         if self.left_out:

@@ -63,6 +63,49 @@ _FUSED_KINDS = {np.dtype(np.float32): 0, BFLOAT16: 1, np.dtype(np.float16): 2}
 SCALE_LIMIT = 600
 
 
+class BlockParts:
+    """Parts of blocks cut by chunk edges (blocks count from a tensor's first value), kept until a block is
+    whole, so that what is summed block by block does not depend on how the tensor was chunked."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: dict[int, list[tuple[int, np.ndarray]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def add(self, start: int, values: np.ndarray) -> np.ndarray | None:
+        """Keeps `values` (kept as given: pass a copy), the part from `start` of its block; returns the
+        block's values in order once all its parts are here."""
+        block = start // BLOCK
+        self._parts.setdefault(block, []).append((start, values))
+        return self._take(block, last=False)
+
+    def merge(self, other: BlockParts) -> list[np.ndarray]:
+        """Takes `other`'s parts (another worker's of the same tensor); returns the blocks they make whole."""
+        whole = []
+        for block, parts in other._parts.items():
+            self._parts.setdefault(block, []).extend(parts)
+            values = self._take(block, last=False)
+            if values is not None:
+                whole.append(values)
+        other._parts = {}
+        return whole
+
+    def rest(self) -> list[np.ndarray]:
+        """What is left, block by block: each block seen in part (a tensor's tail) as its values in order."""
+        return [self._take(block, last=True) for block in sorted(self._parts)]  # type: ignore[misc]
+
+    def _take(self, block: int, last: bool) -> np.ndarray | None:
+        parts = self._parts[block]
+        if not last and sum(v.size for _, v in parts) < BLOCK:
+            return None
+        del self._parts[block]
+        parts.sort(key=lambda part: part[0])
+        return parts[0][1] if len(parts) == 1 else np.concatenate([v for _, v in parts])
+
+
 def is_floating(dtype: np.dtype) -> bool:
     """Whether `dtype` is a real floating type, NumPy's own or one of ml_dtypes'."""
     dtype = np.dtype(dtype)

@@ -8,7 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.core.blocks import BLOCK, PIECE, check_inexact, row_power_sums, segment_power_sums, square_sums, widen
+from clipcli.core.blocks import (
+    BLOCK,
+    PIECE,
+    BlockParts,
+    check_inexact,
+    row_power_sums,
+    segment_power_sums,
+    square_sums,
+    widen,
+)
 from clipcli.core.exact import ExactSum, ldexp, share
 
 # The largest finite order. Its sums' exponents (p * 1075 at most) stay within int64; from there on the p-norm
@@ -66,7 +75,7 @@ class NormAccumulator:
         ord: the order p: 'euclidean' or 2, 1, inf, or any p > 0.
     """
 
-    __slots__ = ("_fragments", "_position", "_sum", "inf", "max_abs", "nan", "p", "size")
+    __slots__ = ("_parts", "_position", "_sum", "inf", "max_abs", "nan", "p", "size")
 
     @classmethod
     def whole(cls, p: float, size: int, max_abs: float, nan: int, inf: int, term: tuple[float, int]) -> NormAccumulator:
@@ -92,7 +101,7 @@ class NormAccumulator:
         self.p = parse_ord(ord)
         self._sum = ExactSum(self.p)
         # Values of blocks seen in part (at a chunk's edges), widened: block number -> [(offset, values)].
-        self._fragments: dict[int, list[tuple[int, np.ndarray]]] = {}
+        self._parts = BlockParts()
         self._position = 0
         self.max_abs = 0.0
         self.nan = 0
@@ -125,18 +134,12 @@ class NormAccumulator:
                 self._fragment(start + head + full, rest[full:])
 
     def _fragment(self, start: int, values: np.ndarray) -> None:
-        block = start // BLOCK
-        self._fragments.setdefault(block, []).append((start, widen(values)[1].copy()))
-        self._complete(block)
+        whole = self._parts.add(start, widen(values)[1].copy())
+        if whole is not None:
+            self._add_block(whole)
 
-    def _complete(self, block: int, last: bool = False) -> None:
-        """Adds a block once all its parts are here (or, `last`, what there is of it: the tensor's tail)."""
-        pieces = self._fragments[block]
-        if not last and sum(v.size for _, v in pieces) < BLOCK:
-            return
-        del self._fragments[block]
-        pieces.sort(key=lambda piece: piece[0])
-        values = pieces[0][1] if len(pieces) == 1 else np.concatenate([v for _, v in pieces])
+    def _add_block(self, values: np.ndarray) -> None:
+        """Adds a block's values (widened), or a shorter run: the tensor's tail."""
         with np.errstate(invalid="ignore"):
             if values.size == BLOCK:
                 self._add_blocks(None, values.reshape(1, -1))
@@ -203,10 +206,8 @@ class NormAccumulator:
     def combine(self, other: NormAccumulator) -> None:
         """Adds the values `other` has seen of the same tensor (another worker's chunks, with their offsets)."""
         self._add_counts(other)
-        for block, pieces in other._fragments.items():
-            self._fragments.setdefault(block, []).extend(pieces)
-            self._complete(block)
-        other._fragments = {}
+        for values in self._parts.merge(other._parts):
+            self._add_block(values)
 
     def _add_counts(self, other: NormAccumulator) -> None:
         if other.p != self.p:
@@ -219,14 +220,14 @@ class NormAccumulator:
 
     def result(self) -> NormStats:
         """The norm and statistics of everything added so far."""
-        if self._fragments:
+        if self._parts:
             self._flush()
         value, exact = norm_of(self._sum, self.p, self.max_abs, self.nan, self.inf)
         return NormStats(value, self.max_abs, self.nan, self.inf, self.size, exact)
 
     def _flush(self) -> None:
-        for block in sorted(self._fragments):
-            self._complete(block, last=True)
+        for values in self._parts.rest():
+            self._add_block(values)
 
     def share_of(self, whole: NormAccumulator) -> float | None:
         """The sum of |x|**p seen here over `whole`'s (which includes it): its share of whole's norm**p.

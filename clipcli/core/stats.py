@@ -9,7 +9,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from clipcli.core.blocks import BLOCK, PIECE, as_tensor, is_floating, widen
+from clipcli.core.blocks import BLOCK, PIECE, BlockParts, as_tensor, is_floating, widen
 from clipcli.core.differences import DiffAccumulator
 from clipcli.core.exact import ExactSum, add_signed, int_quotient, int_root, ldexp, signed
 
@@ -113,7 +113,7 @@ class StatsAccumulator:
         self._bins = np.zeros(_BINS, np.int64)  # values per frexp exponent (+ _OFFSET), zeros in bin _OFFSET
         self._readiness = {t: [0, 0, 0] for t in self.targets}  # overflow, flush, subnormal
         self._errors = {t: DiffAccumulator(2) for t in self.targets}
-        self._fragments: dict[int, list[tuple[int, np.ndarray]]] = {}  # block -> [(start, values)]
+        self._parts = BlockParts()  # values of blocks cut by chunk edges, for the cast errors
 
     def add(self, values: Any, start: int) -> None:
         """Adds values of the tensor (any shape, taken in C order), the first at flat index `start`.
@@ -163,15 +163,13 @@ class StatsAccumulator:
         for t in self.targets:
             self._readiness[t] = [a + b for a, b in zip(self._readiness[t], other._readiness[t], strict=True)]
             self._errors[t].merge(other._errors[t])
-        for block, pieces in other._fragments.items():
-            self._fragments.setdefault(block, []).extend(pieces)
-            self._complete(block)
-        other._fragments = {}
+        for x in self._parts.merge(other._parts):
+            self._add_block_errors(x)
 
     def result(self) -> TensorStats:
         """The statistics of every value added so far (a block seen in part is taken as the tensor's tail)."""
-        for block in sorted(self._fragments):
-            self._complete(block, last=True)
+        for x in self._parts.rest():
+            self._add_block_errors(x)
         exponents, subnormals = self._exponents()
         return TensorStats(
             dtype=self.dtype.name,
@@ -213,9 +211,9 @@ class StatsAccumulator:
         self._add_sums(w)
         self._add_casts(x, finite, zeros, errors=whole)
         if not whole:
-            block = start // BLOCK
-            self._fragments.setdefault(block, []).append((start, x.copy()))
-            self._complete(block)
+            block = self._parts.add(start, x.copy())
+            if block is not None:
+                self._add_block_errors(block)
 
     def _count_nonfinite(self, w: np.ndarray, start: int) -> tuple[np.ndarray, int]:
         """Counts NaN and ±Inf and takes the extremes of the other values.
@@ -286,14 +284,8 @@ class StatsAccumulator:
             if errors:
                 self._errors[t].add(kept, cast)
 
-    def _complete(self, block: int, last: bool = False) -> None:
-        """Adds a block's cast errors once all its parts are here (or, `last`, what there is: the tail)."""
-        pieces = self._fragments[block]
-        if not last and sum(v.size for _, v in pieces) < BLOCK:
-            return
-        del self._fragments[block]
-        pieces.sort(key=lambda piece: piece[0])
-        x = np.concatenate([v for _, v in pieces])
+    def _add_block_errors(self, x: np.ndarray) -> None:
+        """Adds the cast errors of a block's values (or of a shorter run: the tensor's tail)."""
         finite = bool(np.isfinite(x.astype(np.float64)).all())
         for t in self.targets:
             _, kept, cast = _cast(x, t, finite, 0)

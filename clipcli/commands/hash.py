@@ -126,7 +126,7 @@ def c_order_blocks(flat: np.ndarray, shape: tuple[int, ...], max_bytes: int = CH
     time (as `checkpoint.write` gives them to a C-order output)."""
     dims = [n for n in shape if n != 1]  # NumPy holds at most 64 dimensions; ones change neither order
     view = flat.reshape(dims, order="F")
-    k = next(k for k in range(len(dims)) if math.prod(dims[k + 1 :]) * flat.itemsize <= max_bytes)
+    k = next((k for k in range(len(dims)) if math.prod(dims[k + 1 :]) * flat.itemsize <= max_bytes), len(dims) - 1)
     rows = max(1, max_bytes // (math.prod(dims[k + 1 :]) * flat.itemsize))
     for lead in np.ndindex(*dims[:k]):
         for i in range(0, dims[k], rows):

@@ -20,7 +20,7 @@ from clipcli.report.rows import Skipped
 @dataclass(frozen=True)
 class HashOptions:
     """What `hash` hashes: the tensors `selection` takes, rows sorted by `sort` (name, size) and cut to `top`,
-    read with `jobs` threads."""
+    with `jobs` workers (tensors hashed in parallel)."""
 
     selection: Selection = EVERY
     sort: str | None = None
@@ -28,13 +28,30 @@ class HashOptions:
     jobs: int = 1
 
 
-class _Chunks:
-    """The ordered pass's kernel: chunks come back in storage order, to be hashed one tensor after another."""
+class HashKernel:
+    """A worker's kernel: each tensor it is given whole (`whole`: its chunks in order, in this worker) through
+    its hasher; a tensor stored in Fortran order is gathered first, then hashed in C order."""
 
-    ordered = True
+    whole = True
 
-    def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> np.ndarray:
-        return values
+    def __init__(self) -> None:
+        self.digests: dict[str, str] = {}
+        self._open: dict[str, tuple[TensorHasher, np.ndarray | None, int]] = {}
+
+    def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> None:
+        hasher, whole, at = self._open.pop(t.name, None) or (TensorHasher(t.array_dtype, t.shape), _whole(t), 0)
+        if whole is None:
+            hasher.update(values)
+        else:
+            whole[at : at + values.size] = values
+        at += values.size
+        if at < t.size:
+            self._open[t.name] = (hasher, whole, at)
+        else:
+            self.digests[t.name] = _finish(t, hasher, whole)
+
+    def result(self) -> dict[str, str]:
+        return self.digests
 
 
 def reason_to_skip(t: TensorInfo, selection: Selection) -> str | None:
@@ -55,8 +72,9 @@ def hash_checkpoint(
     """Each selected tensor's SHA-256 over its canonical form (`core.hashing`) and the checkpoint's hash over
     all of them (whatever `sort` and `top` show).
 
-    Chunks are read by `jobs` threads and hashed in storage order; a tensor stored in Fortran order is
-    gathered whole and hashed in C order (held once, as `convert` holds it to write it in C order).
+    `jobs` workers hash tensors in parallel, each tensor's chunks in order in one worker (`HashKernel`); a
+    tensor stored in Fortran order is gathered whole and hashed in C order (held once, as `convert` holds it
+    to write it in C order).
 
     Raises:
         UsageError: when --include/--exclude select no tensor.
@@ -71,30 +89,11 @@ def hash_checkpoint(
         else:
             selected.append(t)
     progress.phase("hashing", sum(t.nbytes for t in selected))
-    digests = {t.name: "" for t in selected}
-    results = passes.run_pass(ckpt, selected, _Chunks, options.jobs)
-    try:
-        current: tuple[TensorInfo, TensorHasher, np.ndarray | None, int] | None = None
-        for t, values in results:
-            if current is None or current[0] is not t:
-                if current is not None:
-                    digests[current[0].name] = _finish(*current)
-                current = (t, TensorHasher(t.array_dtype, t.shape), _whole(t), 0)
-            _, hasher, whole, at = current
-            if whole is None:
-                hasher.update(values)
-            else:
-                whole[at : at + values.size] = values
-            current = (t, hasher, whole, at + values.size)
-            progress.advance(values.nbytes)
-        if current is not None:
-            digests[current[0].name] = _finish(*current)
-    finally:
-        close = getattr(results, "close", None)
-        if close is not None:
-            close()
+    digests: dict[str, str] = {}
+    for part in passes.run_pass(ckpt, selected, HashKernel, options.jobs, progress=progress):
+        digests.update(part)
     for t in selected:
-        if not digests[t.name]:  # no chunks: an empty tensor
+        if t.name not in digests:  # no chunks: an empty tensor
             digests[t.name] = TensorHasher(t.array_dtype, t.shape).hexdigest()
     rows = [HashRow(t.name, t.dtype, t.shape, t.nbytes, digests[t.name]) for t in selected]
     return CheckpointHashes(
@@ -114,7 +113,7 @@ def _whole(t: TensorInfo) -> np.ndarray | None:
     return np.empty(t.size, t.array_dtype)
 
 
-def _finish(t: TensorInfo, hasher: TensorHasher, whole: np.ndarray | None, at: int) -> str:
+def _finish(t: TensorInfo, hasher: TensorHasher, whole: np.ndarray | None) -> str:
     if whole is not None:
         for block in c_order_blocks(whole, t.shape):
             hasher.update(block)

@@ -143,17 +143,25 @@ def test_bfloat16_and_float8_against_hashlib(tmp_path):
     assert whole == ref_checkpoint(tensors)
 
 
-def test_larger_than_the_chunk_size_in_every_layout(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["threads", "processes"])
+def test_larger_than_the_chunk_size_in_every_layout(tmp_path, monkeypatch, kind):
     monkeypatch.setattr(_engine, "CHUNK_BYTES", 1 << 12)
     monkeypatch.setattr(_engine, "_MIN_CHUNK", 1 << 12)
-    big = {"big": RNG.standard_normal((301, 97)).astype(np.float32), "small": np.arange(5.0)}
+    monkeypatch.setattr(_engine, "_BYTES_PER_WORKER", 1)  # workers even for a small input
+    monkeypatch.setattr(_engine, "_PROCESS_BYTES", 0 if kind == "processes" else 1 << 62)
+    big = {
+        "big": RNG.standard_normal((301, 97)).astype(np.float32),
+        "small": np.arange(5.0),
+        "other": RNG.standard_normal(7000),
+        "last": RNG.integers(0, 9, (64, 70)).astype(np.int64),
+    }
     expected = {n: ref_hash(a) for n, a in big.items()}
     for jobs in (1, 2, 3):
         (tmp_path / str(jobs)).mkdir()
         for fmt, path in every_format(tmp_path / str(jobs), big).items():
             assert hashes(path, jobs)[0] == expected, (fmt, jobs)
-    np.save(tmp_path / "big.npy", np.asfortranarray(big["big"].astype(">f4")))
-    assert hashes(tmp_path / "big.npy", 2)[0] == {"big": expected["big"]}
+        np.save(tmp_path / str(jobs) / "big.npy", np.asfortranarray(big["big"].astype(">f4")))
+        assert hashes(tmp_path / str(jobs) / "big.npy", jobs)[0] == {"big": expected["big"]}
 
 
 def test_c_order_blocks_of_a_fortran_tensor():

@@ -2,7 +2,8 @@
 
 On arrays: `clip_by_value`, `clip_by_norm`, `clip_by_global_norm`, `global_norm`, `norm`, `diff` (TensorFlow's
 signatures). On files: `open(path)`, and one function per command returning its report: `inspect_of`,
-`global_norm_of`, `diff_of`, `clip_value_of`, `clip_norm_of`, `clip_global_norm_of`, `convert_of`;
+`global_norm_of`, `diff_of`, `clip_value_of`, `clip_norm_of`, `clip_global_norm_of`, `convert_of`,
+`hash_of`;
 `failures(report, fail_above=...)` applies the command line's gates.
 """
 
@@ -22,6 +23,7 @@ _FILES = [
     "diff_of",
     "failures",
     "global_norm_of",
+    "hash_of",
     "inspect_of",
     "open",
 ]
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from clipcli.api import diff_of as diff_of
     from clipcli.api import failures as failures
     from clipcli.api import global_norm_of as global_norm_of
+    from clipcli.api import hash_of as hash_of
     from clipcli.api import inspect_of as inspect_of
     from clipcli.api import open as open
     from clipcli.core import clip_by_global_norm as clip_by_global_norm

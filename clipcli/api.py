@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from clipcli.checkpoint import Checkpoint, TensorInfo
     from clipcli.report.clip import ClipGlobalNormReport, ClipNormReport, ClipValueReport
     from clipcli.report.diff import DiffReport
+    from clipcli.report.hash import HashReport
     from clipcli.report.listing import ConvertReport, InspectReport
     from clipcli.report.norms import NormReport
 
@@ -354,6 +355,29 @@ def convert_of(
             sort=sort, top=top, jobs=workers(jobs),
         )  # fmt: skip
         return convert(ckpt, options)
+
+
+def hash_of(
+    *paths: PathLike,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> HashReport:
+    """`clipcli hash PATHS...`: each tensor's content hash over its canonical form, and each checkpoint's hash
+    (equal in every format and layout; see `clipcli.core.hashing`)."""
+    from clipcli.checkpoint import open_checkpoint
+    from clipcli.commands.hash import HashOptions, hash_checkpoint
+    from clipcli.commands.passes import workers
+    from clipcli.report.hash import HashReport
+
+    options = HashOptions(_selection(include, exclude), sort, top, workers(jobs))
+    hashed = []
+    for path in paths:
+        with open_checkpoint(path) as ckpt:
+            hashed.append(hash_checkpoint(ckpt, options))
+    return HashReport(tuple(hashed))
 
 
 def failures(

@@ -523,6 +523,47 @@ def convert(
         _emit(report, fmt, quiet, report_file)
 
 
+@app.command(
+    "hash",
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli hash model.safetensors",
+        "clipcli hash pytorch_model.bin --format json > manifest.json",
+        "clipcli hash shards/ --include 'model.layers.0.*' --format csv",
+    ),
+)
+def hash_(
+    checkpoints: opts.Checkpoints,
+    sort: opts.InspectSort = None,
+    top: opts.Top = None,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """Content hashes: SHA-256 of each tensor's dtype name, shape and values (little-endian, C order), and one
+    checkpoint hash over the sorted (name, hash) pairs; the same in every format and layout clipcli reads.
+
+    Types carried as bytes (strings, records) and tensors without values (sparse, quantized, meta) are skipped
+    with the reason; --include/--exclude choose the tensors the checkpoint hash covers.
+    """
+    with _errors(debug, "hash"):
+        from clipcli.checkpoint import open_checkpoint
+        from clipcli.commands import hash as command
+        from clipcli.report.hash import HashReport
+
+        opened = [open_checkpoint(path) for path in checkpoints]
+        options = command.HashOptions(_selection(include, exclude, *opened), sort and sort.value, top, _jobs(jobs))
+        hashed = []
+        with _progress(sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
+            for ckpt in opened:
+                with ckpt:
+                    hashed.append(command.hash_checkpoint(ckpt, options, progress))
+        _emit(HashReport(tuple(hashed)), fmt, quiet)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The console script (and `python -m clipcli`): runs the app; exits with the contract's status.
 

@@ -70,7 +70,8 @@ class Kernel(Protocol):
     `values` are tensor `t`'s elements from byte `offset` on, in storage order, valid only during the
     call; every span but a tensor's last holds a whole number of `align` elements. A kernel may also
     have `batch(tensors, raw, starts)`: whole small tensors lying together, their bytes at `starts` of
-    `raw` (uint8), given at once instead of one `chunk` each.
+    `raw` (uint8), given at once instead of one `chunk` each. A kernel with `whole = True` (a hash) gets
+    every chunk of a tensor in one worker, in order.
     """
 
     def chunk(self, t: Any, offset: int, values: np.ndarray) -> None: ...
@@ -99,7 +100,9 @@ def chunk_bytes(jobs: int) -> int:
     return max(_MIN_CHUNK, min(CHUNK_BYTES, BUFFER_BUDGET // max(jobs, 1)))
 
 
-def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[str, int], unit: int) -> list[_Task]:
+def _tasks(
+    reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[str, int], unit: int, whole: bool = False
+) -> list[_Task]:
     tasks: list[_Task] = []
     run: list[int] = []  # small tensors lying one after another in one file
 
@@ -124,6 +127,9 @@ def _tasks(reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[s
             run.append(i)
             continue
         flush()
+        if whole:  # one worker reads it all, in order
+            tasks.append(_Task((i,), stream=True))
+            continue
         _, per_chunk = geometry(t, max_bytes, align.get(t.name, 1), unit)
         tasks += [_Task((i,), offset, n) for offset, n in spans(t.nbytes, per_chunk)]
     flush()
@@ -183,7 +189,7 @@ def run(
     total = sum(t.nbytes for t in tensors)
     jobs = max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
     max_bytes = chunk_bytes(jobs)
-    tasks = _tasks(reader, tensors, max_bytes, align, unit)
+    tasks = _tasks(reader, tensors, max_bytes, align, unit, getattr(make_kernel(), "whole", False))
     work = _Worker(reader, tensors, tasks, make_kernel, max_bytes, align, unit)
     return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
 

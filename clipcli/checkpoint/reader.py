@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
@@ -54,6 +55,7 @@ class Checkpoint:
         self.sharded = sharded  # a checkpoint of several files by its kind (a directory or an index)
         self.store = LocalStore() if store is None else store  # its files (a local store keeps some open)
         self._zips: dict[str, tuple[zipfile.ZipFile, BinaryIO]] = {}
+        self._zips_lock = threading.Lock()  # threads streaming members of one zip open its directory once
         self._crcs = ReadLog()
 
     def __enter__(self) -> Checkpoint:
@@ -209,6 +211,7 @@ class Checkpoint:
         """In a forked worker: opens its own streams (their file positions are not to be shared), and lets the
         store reopen what it cannot share."""
         self._zips = {}
+        self._zips_lock = threading.Lock()
         self._crcs = ReadLog()
         self.store.forked()
 
@@ -241,14 +244,15 @@ class Checkpoint:
         loc = info.location
         assert isinstance(loc, ZipMember)
         path = Path(info.file)
-        if info.file not in self._zips:
-            f = self.store.open(path)
-            try:
-                self._zips[info.file] = (zipfile.ZipFile(f), f)
-            except BaseException:
-                f.close()
-                raise
-        z, _ = self._zips[info.file]
+        with self._zips_lock:
+            if info.file not in self._zips:
+                f = self.store.open(path)
+                try:
+                    self._zips[info.file] = (zipfile.ZipFile(f), f)
+                except BaseException:
+                    f.close()
+                    raise
+            z, _ = self._zips[info.file]
         try:
             return zipmember.open_member(self.store, path, z, loc)
         except zipmember.DATA_ERRORS as e:

@@ -46,7 +46,8 @@ def run_pass(
     Workers (processes, or threads) each make a kernel and feed it chunks in any order; the result is each
     worker's `result()`. A kernel that needs the chunks in order says so (`ordered = True`): one kernel's
     `chunk(t, offset, values)` is then called by `jobs` threads and the result is an iterator of
-    `(tensor, what chunk returned)` in storage order, which the caller consumes and closes. Pairs are read in
+    `(tensor, what chunk returned)` in storage order, which the caller consumes and closes. A kernel that needs
+    each tensor's chunks in order in one worker, tensors in parallel (a hash), says `whole = True`. Pairs are read in
     blocks of `BLOCK` values, so that a pair's blocks are summed as the array's are.
     """
     if isinstance(source, tuple):

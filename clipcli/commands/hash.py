@@ -1,0 +1,132 @@
+"""`hash`: each selected tensor's content hash over its canonical form, and the checkpoint's hash over them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from clipcli.checkpoint import CHUNK_BYTES, Checkpoint, TensorInfo
+from clipcli.commands import passes
+from clipcli.commands.passes import NO_PROGRESS, Progress
+from clipcli.commands.select import EVERY, Selection, order
+from clipcli.core.hashing import TensorHasher, checkpoint_hash
+from clipcli.report.hash import CheckpointHashes, HashRow
+from clipcli.report.rows import Skipped
+
+
+@dataclass(frozen=True)
+class HashOptions:
+    """What `hash` hashes: the tensors `selection` takes, rows sorted by `sort` (name, size) and cut to `top`,
+    with `jobs` workers (tensors hashed in parallel)."""
+
+    selection: Selection = EVERY
+    sort: str | None = None
+    top: int | None = None
+    jobs: int = 1
+
+
+class HashKernel:
+    """A worker's kernel: each tensor it is given whole (`whole`: its chunks in order, in this worker) through
+    its hasher; a tensor stored in Fortran order is gathered first, then hashed in C order."""
+
+    whole = True
+
+    def __init__(self) -> None:
+        self.digests: dict[str, str] = {}
+        self._open: dict[str, tuple[TensorHasher, np.ndarray | None, int]] = {}
+
+    def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> None:
+        hasher, whole, at = self._open.pop(t.name, None) or (TensorHasher(t.array_dtype, t.shape), _whole(t), 0)
+        if whole is None:
+            hasher.update(values)
+        else:
+            whole[at : at + values.size] = values
+        at += values.size
+        if at < t.size:
+            self._open[t.name] = (hasher, whole, at)
+        else:
+            self.digests[t.name] = _finish(t, hasher, whole)
+
+    def result(self) -> dict[str, str]:
+        return self.digests
+
+
+def reason_to_skip(t: TensorInfo, selection: Selection) -> str | None:
+    """Why `hash` leaves a tensor out: not selected, no values (sparse, quantized, meta) or a type carried as
+    bytes (strings and records of an .npz), which has no canonical form of values; None to hash it."""
+    if not selection.listed(t):
+        return selection.reason_to_skip(t)
+    if t.skip is not None:
+        return t.skip
+    if t.array_dtype is None:
+        return f"no content hash of {t.dtype} (carried as bytes)"
+    return None
+
+
+def hash_checkpoint(
+    ckpt: Checkpoint, options: HashOptions = HashOptions(), progress: Progress = NO_PROGRESS
+) -> CheckpointHashes:
+    """Each selected tensor's SHA-256 over its canonical form (`core.hashing`) and the checkpoint's hash over
+    all of them (whatever `sort` and `top` show).
+
+    `jobs` workers hash tensors in parallel, each tensor's chunks in order in one worker (`HashKernel`); a
+    tensor stored in Fortran order is gathered whole and hashed in C order (held once, as `convert` holds it
+    to write it in C order).
+
+    Raises:
+        UsageError: when --include/--exclude select no tensor.
+    """
+    selection = options.selection
+    selection.check(ckpt)
+    selected, skipped = [], []
+    for t in ckpt.tensors:
+        reason = reason_to_skip(t, selection)
+        if reason:
+            skipped.append(Skipped(t.name, t.dtype, reason))
+        else:
+            selected.append(t)
+    progress.phase("hashing", sum(t.nbytes for t in selected))
+    digests: dict[str, str] = {}
+    for part in passes.run_pass(ckpt, selected, HashKernel, options.jobs, progress=progress):
+        digests.update(part)
+    for t in selected:
+        if t.name not in digests:  # no chunks: an empty tensor
+            digests[t.name] = TensorHasher(t.array_dtype, t.shape).hexdigest()
+    rows = [HashRow(t.name, t.dtype, t.shape, t.nbytes, digests[t.name]) for t in selected]
+    return CheckpointHashes(
+        path=str(ckpt.path),
+        format=ckpt.format,
+        hash=checkpoint_hash((r.name, r.sha256) for r in rows),
+        count=len(rows),
+        tensors=order(rows, options.sort, options.top),
+        skipped=tuple(skipped),
+    )
+
+
+def _whole(t: TensorInfo) -> np.ndarray | None:
+    """The array a Fortran-order tensor is gathered into (its storage order is not C order), or None."""
+    if not t.fortran_order or t.size == 0 or sum(n > 1 for n in t.shape) <= 1:
+        return None
+    return np.empty(t.size, t.array_dtype)
+
+
+def _finish(t: TensorInfo, hasher: TensorHasher, whole: np.ndarray | None) -> str:
+    if whole is not None:
+        for block in c_order_blocks(whole, t.shape):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def c_order_blocks(flat: np.ndarray, shape: tuple[int, ...], max_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
+    """The values of a tensor stored in Fortran order (`flat`), in C order, a block of about `max_bytes` at a
+    time (as `checkpoint.write` gives them to a C-order output)."""
+    dims = [n for n in shape if n != 1]  # NumPy holds at most 64 dimensions; ones change neither order
+    view = flat.reshape(dims, order="F")
+    k = next((k for k in range(len(dims)) if math.prod(dims[k + 1 :]) * flat.itemsize <= max_bytes), len(dims) - 1)
+    rows = max(1, max_bytes // (math.prod(dims[k + 1 :]) * flat.itemsize))
+    for lead in np.ndindex(*dims[:k]):
+        for i in range(0, dims[k], rows):
+            yield np.ascontiguousarray(view[lead][i : i + rows]).reshape(-1)

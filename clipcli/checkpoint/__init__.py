@@ -22,6 +22,7 @@ from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.checkpoint.write import (
     Place,
     Plan,
+    c_order_blocks,
     check_output,
     check_plan,
     check_report,
@@ -29,6 +30,7 @@ from clipcli.checkpoint.write import (
     placed,
     plan,
     save,
+    transposed,
 )
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "atomic_write",
     "byte_layout",
     "c_order",
+    "c_order_blocks",
     "carried_dtype",
     "check_output",
     "check_plan",
@@ -60,6 +63,7 @@ __all__ = [
     "run",
     "run_pairs",
     "save",
+    "transposed",
 ]
 
 

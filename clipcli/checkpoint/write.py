@@ -342,11 +342,15 @@ def _c_order(chunks: ChunkSource) -> ChunkSource:
     either order; any other is transposed (`_transposed`)."""
 
     def in_c_order(t: TensorInfo) -> Iterable[np.ndarray]:
-        if not t.fortran_order or t.size == 0 or sum(n > 1 for n in t.shape) <= 1:
-            return chunks(t)
-        return _transposed(t, chunks(t))
+        return _transposed(t, chunks(t)) if transposed(t) else chunks(t)
 
     return in_c_order
+
+
+def transposed(t: TensorInfo) -> bool:
+    """Whether a tensor's values are stored in another order than C order (Fortran order, two dimensions or
+    more past 1)."""
+    return t.fortran_order and t.size > 0 and sum(n > 1 for n in t.shape) > 1
 
 
 def _transposed(t: TensorInfo, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
@@ -357,13 +361,19 @@ def _transposed(t: TensorInfo, chunks: Iterable[np.ndarray]) -> Iterator[np.ndar
     for c in chunks:
         whole[at : at + c.size] = c
         at += c.size
-    shape = [n for n in t.shape if n != 1]  # NumPy holds at most 64 dimensions; ones change neither order
-    view = whole.reshape(shape, order="F")
-    # blocks of about CHUNK_BYTES: rows of axis k with the axes after it whole, for each index of those before
-    k = next(k for k in range(len(shape)) if math.prod(shape[k + 1 :]) * whole.itemsize <= CHUNK_BYTES)
-    rows = max(1, CHUNK_BYTES // (math.prod(shape[k + 1 :]) * whole.itemsize))
-    for lead in np.ndindex(*shape[:k]):
-        for i in range(0, shape[k], rows):
+    yield from c_order_blocks(whole, t.shape)
+
+
+def c_order_blocks(whole: np.ndarray, shape: tuple[int, ...], max_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
+    """The values of a tensor of `shape` held in Fortran order (`whole`, flat), in C order, a block of about
+    `max_bytes` at a time."""
+    dims = [n for n in shape if n != 1]  # NumPy holds at most 64 dimensions; ones change neither order
+    view = whole.reshape(dims, order="F")
+    # blocks of about max_bytes: rows of axis k with the axes after it whole, for each index of those before
+    k = next((k for k in range(len(dims)) if math.prod(dims[k + 1 :]) * whole.itemsize <= max_bytes), len(dims) - 1)
+    rows = max(1, max_bytes // (math.prod(dims[k + 1 :]) * whole.itemsize))
+    for lead in np.ndindex(*dims[:k]):
+        for i in range(0, dims[k], rows):
             yield np.ascontiguousarray(view[lead][i : i + rows]).reshape(-1)
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from clipcli.checkpoint import CHUNK_BYTES, Checkpoint, TensorInfo
+from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transposed
 from clipcli.commands import passes
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, order
@@ -108,9 +106,7 @@ def hash_checkpoint(
 
 def _whole(t: TensorInfo) -> np.ndarray | None:
     """The array a Fortran-order tensor is gathered into (its storage order is not C order), or None."""
-    if not t.fortran_order or t.size == 0 or sum(n > 1 for n in t.shape) <= 1:
-        return None
-    return np.empty(t.size, t.array_dtype)
+    return np.empty(t.size, t.array_dtype) if transposed(t) else None
 
 
 def _finish(t: TensorInfo, hasher: TensorHasher, whole: np.ndarray | None) -> str:
@@ -118,15 +114,3 @@ def _finish(t: TensorInfo, hasher: TensorHasher, whole: np.ndarray | None) -> st
         for block in c_order_blocks(whole, t.shape):
             hasher.update(block)
     return hasher.hexdigest()
-
-
-def c_order_blocks(flat: np.ndarray, shape: tuple[int, ...], max_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
-    """The values of a tensor stored in Fortran order (`flat`), in C order, a block of about `max_bytes` at a
-    time (as `checkpoint.write` gives them to a C-order output)."""
-    dims = [n for n in shape if n != 1]  # NumPy holds at most 64 dimensions; ones change neither order
-    view = flat.reshape(dims, order="F")
-    k = next((k for k in range(len(dims)) if math.prod(dims[k + 1 :]) * flat.itemsize <= max_bytes), len(dims) - 1)
-    rows = max(1, max_bytes // (math.prod(dims[k + 1 :]) * flat.itemsize))
-    for lead in np.ndindex(*dims[:k]):
-        for i in range(0, dims[k], rows):
-            yield np.ascontiguousarray(view[lead][i : i + rows]).reshape(-1)

@@ -12,9 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from clipcli.checkpoint import c_order_blocks, open_checkpoint
 from clipcli.checkpoint import engine as _engine
-from clipcli.checkpoint import open_checkpoint
-from clipcli.commands.hash import HashOptions, c_order_blocks, hash_checkpoint
+from clipcli.commands.hash import HashOptions, hash_checkpoint
 from clipcli.commands.select import Selection
 from tests.helpers import torch_tensor_pickle, torch_zip_file, write_st
 

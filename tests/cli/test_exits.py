@@ -99,10 +99,10 @@ def test_every_error_line_is_escaped(capsys):
     # issue 22 item 10: an internal error's text, or a library's message, may quote anything from a file
     import typer
 
-    from clipcli import cli
+    from clipcli import cli_app
 
     with pytest.raises(typer.Exit):
-        cli._fail(f"internal error (ValueError: {EVIL})", 70)
+        cli_app._fail(f"internal error (ValueError: {EVIL})", 70)
     err = capsys.readouterr().err
     assert err == "clipcli: error: internal error (ValueError: \\x1b]0;title\\x07\\x1b[2J)\n"
 

@@ -1,0 +1,148 @@
+"""The `clipcli` app and what every command shares: its errors mapped to exit statuses, gates, workers, selections.
+
+The commands register on `app` in `cli_commands` and `cli_trust`; `cli.main` runs it."""
+
+# No `from __future__ import annotations` here: Typer reads the commands' annotations at every run, and
+# as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from clipcli import cli_options as opts
+from clipcli._stops import defer_stops, stop_status
+from clipcli.cli_output import lost_reports as _lost_reports
+from clipcli.errors import ClipcliError, ExitStatus, Terminated, printable
+
+app = typer.Typer(
+    name="clipcli",
+    cls=opts.Group,
+    help="Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.",
+    no_args_is_help=True,
+    add_completion=False,  # ours take a SHELL (`opts.completion_option`): Typer's gave bash's script for zsh
+    pretty_exceptions_show_locals=False,  # a crash must never dump tensors
+    rich_markup_mode=None,  # plain help and usage errors: rich is imported only to draw a report
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+typer.completion.completion_init()  # the shells the completion scripts call back with (add_completion did it)
+
+ISSUES_URL = "https://github.com/clipcli/clipcli/issues"
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=opts.show_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
+    install_completion: Annotated[str | None, opts.completion_option("--install-completion", "Install")] = None,
+    show_completion: Annotated[str | None, opts.completion_option("--show-completion", "Show")] = None,
+) -> None:
+    """Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.
+
+    Exit status: 0 success, 1 a check failed (--fail-above, --fail-nonfinite, a clip whose norm is not
+    finite), 2 usage error, 3 unreadable input, 4 output or report not written, 70 internal error; Ctrl-C and
+    SIGTERM end it by the signal (130, 143 in a shell).
+    """
+
+
+# --- Error handling ---------------------------------------------------------------------------------
+
+
+def _fail(message: str, status: int) -> NoReturn:
+    typer.echo(f"clipcli: error: {printable(message)}", err=True)
+    raise typer.Exit(status)
+
+
+def _stopped(status: ExitStatus) -> NoReturn:
+    typer.echo("clipcli: interrupted" if status == ExitStatus.INTERRUPTED else "clipcli: terminated", err=True)
+    raise typer.Exit(status)
+
+
+@contextlib.contextmanager
+def handled_errors(debug: bool, command: str) -> Iterator[None]:
+    """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70).
+
+    `command`: the module of `clipcli.commands` the command runs, imported first (`_import_command`).
+    """
+    try:
+        _import_command(command)
+        _lost_reports.clear()
+        yield
+        if _lost_reports:  # no gate failed: the lost report is the outcome
+            raise _lost_reports.pop()
+    except KeyboardInterrupt:
+        _stopped(ExitStatus.INTERRUPTED)
+    except Terminated:
+        _stopped(ExitStatus.TERMINATED)
+    except Exception as e:
+        status = stop_status()
+        if status is not None:  # a stop's exception turned into another on its way (NumPy's import: an ImportError)
+            _stopped(status)
+        _failed(e, debug)
+
+
+def _import_command(command: str) -> None:
+    """Imports a command's module, and NumPy with it, with stops held until the import is done: a
+    KeyboardInterrupt raised inside NumPy's import comes out as an ImportError after NumPy's C code printed its
+    traceback."""
+    resume = defer_stops()
+    try:
+        importlib.import_module(f"clipcli.commands.{command}")
+    finally:
+        resume()
+
+
+def _failed(e: Exception, debug: bool) -> NoReturn:
+    """Called in the `except` of `e`: its one line and exit status, or Click's usage block for a usage error
+    that names its option (a usage error found in the checkpoint, such as nothing to clip, is one line)."""
+    if isinstance(e, BrokenPipeError):
+        # The reader of stdout went away (`clipcli ... | head`): not an error of ours.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(ExitStatus.OK) from None
+    if debug or type(e).__module__.split(".")[0] in ("typer", "click"):
+        raise  # Typer's own exits and usage errors
+    if isinstance(e, ClipcliError):
+        if e.status == ExitStatus.USAGE and getattr(e, "param", None):
+            raise typer.BadParameter(str(e), param_hint=e.param) from None
+        _fail(str(e), e.status)
+    detail = " ".join(f"{type(e).__name__}: {e}".split())
+    _fail(
+        f"internal error ({detail}); this is a bug, please report it at {ISSUES_URL} with the output of --debug",
+        ExitStatus.INTERNAL,
+    )
+
+
+def exit_on_gate(failure: str | None) -> None:
+    """Exits 1 with the line of a failed gate (after the report is out)."""
+    if failure is not None:
+        from clipcli.errors import CheckFailedError
+
+        raise CheckFailedError(failure)
+
+
+def worker_count(jobs: int | None) -> int:
+    from clipcli.commands.passes import workers
+
+    return workers(jobs)
+
+
+def selection_of(include: list[str] | None, exclude: list[str] | None, *ckpts: Any) -> Any:
+    """The --include/--exclude selection; warns on stderr of a pattern that matches no tensor of `ckpts`.
+
+    (A selection left empty is refused later, by the command, with a usage error instead.)
+    """
+    from clipcli.commands.select import Selection
+
+    selection = Selection(tuple(include or ()), tuple(exclude or ()))
+    if any(selection.listed(t) for c in ckpts for t in c.tensors):
+        for option in selection.unmatched(*ckpts):
+            typer.echo(f"clipcli: warning: {option} matches no tensor", err=True)
+    return selection

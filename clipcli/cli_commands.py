@@ -1,0 +1,385 @@
+"""The commands that measure, clip and convert: inspect, global-norm, the clips, diff and convert."""
+
+# No `from __future__ import annotations` here: Typer reads the commands' annotations at every run, and
+# as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
+
+import math
+from pathlib import Path
+from typing import Any
+
+from clipcli import cli_options as opts
+from clipcli.cli_app import app, exit_on_gate, handled_errors, selection_of, worker_count
+from clipcli.cli_output import emit
+from clipcli.cli_output import progress as progress_bar
+
+# --- Commands ---------------------------------------------------------------------------------------
+
+
+@app.command(
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli inspect model.safetensors",
+        "clipcli inspect shards/ --sort size --top 10",
+        "clipcli inspect optimizer.npz --include 'state.*' --format json",
+    ),
+)
+def inspect(
+    checkpoints: opts.Checkpoints,
+    sort: opts.InspectSort = None,
+    top: opts.Top = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """List tensor names, dtypes, shapes, element counts, sizes and the file's metadata, from the headers."""
+    with handled_errors(debug, "inspect"):
+        from clipcli.checkpoint import open_checkpoint
+        from clipcli.commands import inspect as command
+        from clipcli.report.listing import InspectReport
+
+        opened = [open_checkpoint(path) for path in checkpoints]
+        options = command.InspectOptions(selection_of(include, exclude, *opened), sort and sort.value, top)
+        listings = []
+        for ckpt in opened:
+            with ckpt:
+                listings.append(command.inspect(ckpt, options))
+        emit(InspectReport(tuple(listings)), fmt, quiet)
+
+
+@app.command(
+    "global-norm",
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli global-norm grads.safetensors --sort norm --top 10",
+        "clipcli global-norm grads.safetensors --depth 3 --format csv > layers.csv",
+        "clipcli global-norm grads.safetensors --fail-above 100 --fail-nonfinite --quiet",
+    ),
+)
+def global_norm(
+    checkpoints: opts.Checkpoints,
+    ord: opts.Ord = "2",
+    depth: opts.Depth = None,
+    sort: opts.Sort = None,
+    top: opts.Top = None,
+    fail_above: opts.FailAbove = None,
+    fail_nonfinite: opts.FailNonfinite = False,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """Per-tensor norms, max |x|, NaN/Inf counts and shares, and the global norm (tf.linalg.global_norm).
+
+    A gate (--fail-above, --fail-nonfinite) never passes because nothing was measured: a checkpoint with no
+    floating tensor selected is a usage error (exit 2) when a gate is given.
+    """
+    with handled_errors(debug, "global_norm"):  # --ord: its limit is the core's (NumPy)
+        p = opts.parse_ord(ord)
+        limit = None if fail_above is None else opts.parse_limit(fail_above, "--fail-above")
+        from clipcli.checkpoint import open_checkpoint
+        from clipcli.commands import gates
+        from clipcli.commands import global_norm as command
+        from clipcli.report.norms import NormReport
+
+        limits = command.NormLimits(limit, fail_nonfinite, fail_above)
+        opened = [open_checkpoint(path) for path in checkpoints]
+        selection = selection_of(include, exclude, *opened)
+        options = command.NormOptions(selection, p, depth, sort and sort.value, top, worker_count(jobs))
+        total = sum(t.nbytes for c in opened for t in c.tensors)
+        measured = []
+        with progress_bar(total, quiet) as progress:
+            for ckpt in opened:
+                with ckpt:
+                    norms = command.global_norm(ckpt, options, progress)
+                    command.check_measured(norms, limits)
+                    measured.append(norms)
+        report = NormReport(p, tuple(measured))
+        emit(report, fmt, quiet)
+        exit_on_gate(gates.failure(command.failures(report, limits), len(measured)))
+
+
+def _clip(
+    run: Any,
+    kind: Any,
+    checkpoint: Path,
+    output: str | None,
+    in_place: bool,
+    dry_run: bool,
+    drop_metadata: bool,
+    report_file: Path | None,
+    quiet: bool,
+    fmt: opts.Format,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    passes: int = 2,
+    **options: Any,
+) -> None:
+    """The part the clip commands share: the output checked, the options made, the command run, the report out.
+
+    `run`: the function of `clipcli.commands.clip` to run; `kind`: its options' type; `options`: their fields but
+    those of the output and the selection; `passes`: how many times the command reads the checkpoint, for the
+    progress bar.
+    """
+    from clipcli.checkpoint import check_report, open_checkpoint
+    from clipcli.commands.write import output_target
+
+    if in_place and output is not None:
+        opts.usage("give either -o/--output or --in-place, not both", "--in-place")
+    if output is None and not (in_place or dry_run):
+        opts.usage("missing; give -o OUT, --in-place or --dry-run", "-o/--output")
+    with open_checkpoint(checkpoint) as ckpt:
+        if drop_metadata:
+            ckpt.metadata = {}
+        target = output_target(ckpt, output, in_place, dry_run)
+        if report_file is not None:
+            check_report(report_file, ckpt, target)
+        selection = selection_of(include, exclude, ckpt)
+        settings = kind(output=target, in_place=in_place, selection=selection, **options)
+        with progress_bar(passes * sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
+            result = run(ckpt, settings, progress)
+    emit(result, fmt, quiet, report_file)
+
+
+@app.command(
+    "clip-value",
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli clip-value grads.safetensors -o clipped.safetensors --min -1 --max 1",
+        "clipcli clip-value grads.npz -o clipped.npz --min -0.01 --max 0.01 --include 'model.norm.*'",
+        "clipcli clip-value grads.safetensors --in-place --min -5 --max 5 --quiet",
+    ),
+)
+def clip_value(
+    checkpoint: opts.OneCheckpoint,
+    min_: opts.Min,
+    max_: opts.Max,
+    output: opts.Output = None,
+    in_place: opts.InPlace = False,
+    dry_run: opts.DryRun = False,
+    drop_metadata: opts.DropMetadata = False,
+    report_file: opts.ReportFile = None,
+    sort: opts.Sort = None,
+    top: opts.Top = None,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """tf.clip_by_value on every selected real floating tensor: NaN stays NaN, +-inf is clipped to the bounds.
+
+    --min and --max are rounded to each tensor's dtype first, as TensorFlow does: a bfloat16 tensor
+    clipped at 0.1 is clipped at 0.10009765625.
+    """
+    lo, hi = opts.parse_float(min_, "--min"), opts.parse_float(max_, "--max")
+    if lo > hi:
+        opts.usage(f"--min {min_} exceeds --max {max_}", "--min")
+    with handled_errors(debug, "clip"):
+        from clipcli.commands import clip
+
+        _clip(
+            clip.clip_value, clip.ClipValueOptions, checkpoint, output, in_place, dry_run, drop_metadata, report_file,
+            quiet, fmt, include, exclude, passes=1, min=lo, max=hi, sort=sort and sort.value, top=top,
+            jobs=worker_count(jobs),
+        )  # fmt: skip
+
+
+@app.command(
+    "clip-norm",
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli clip-norm grads.safetensors -o clipped.safetensors --clip-norm 1",
+        "clipcli clip-norm grads.safetensors -o rows.safetensors --clip-norm 1 --axes -1",
+        "clipcli clip-norm grads.safetensors --dry-run --clip-norm 1 --sort norm --top 5",
+    ),
+)
+def clip_norm(
+    checkpoint: opts.OneCheckpoint,
+    clip_norm: opts.ClipNorm,
+    axes: opts.Axes = None,
+    output: opts.Output = None,
+    in_place: opts.InPlace = False,
+    dry_run: opts.DryRun = False,
+    drop_metadata: opts.DropMetadata = False,
+    report_file: opts.ReportFile = None,
+    allow_nonfinite: opts.AllowNonfinite = False,
+    sort: opts.Sort = None,
+    top: opts.Top = None,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """tf.clip_by_norm on each selected floating or complex tensor separately, optionally along axes.
+
+    A tensor whose rank is too small for --axes is passed through and listed as skipped.
+    """
+    c = opts.parse_float(clip_norm, "--clip-norm")
+    opts.positive_finite(c, clip_norm, "--clip-norm")
+    ax = opts.parse_axes(axes)
+    with handled_errors(debug, "clip"):
+        from clipcli.commands import clip
+
+        _clip(
+            clip.clip_norm, clip.ClipNormOptions, checkpoint, output, in_place, dry_run, drop_metadata, report_file,
+            quiet, fmt, include, exclude, clip_norm=c, axes=ax, allow_nonfinite=allow_nonfinite,
+            sort=sort and sort.value, top=top, jobs=worker_count(jobs),
+        )  # fmt: skip
+
+
+@app.command(
+    "clip-global-norm",
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli clip-global-norm grads.safetensors -o clipped.safetensors --clip-norm 5",
+        "clipcli clip-global-norm shards/ -o clipped/ --clip-norm 5 --report report.json",
+        "clipcli clip-global-norm grads.safetensors --dry-run --clip-norm 5 --format json",
+    ),
+)
+def clip_global_norm(
+    checkpoint: opts.OneCheckpoint,
+    clip_norm: opts.GlobalClipNorm,
+    use_norm: opts.UseNorm = None,
+    output: opts.Output = None,
+    in_place: opts.InPlace = False,
+    dry_run: opts.DryRun = False,
+    drop_metadata: opts.DropMetadata = False,
+    report_file: opts.ReportFile = None,
+    allow_nonfinite: opts.AllowNonfinite = False,
+    sort: opts.Sort = None,
+    top: opts.Top = None,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """tf.clip_by_global_norm over all selected floating and complex tensors together: one common scale.
+
+    Reports the global norm before, the scale applied and the norm after.
+    """
+    c = opts.parse_float(clip_norm, "--clip-norm")
+    opts.positive_finite(c, clip_norm, "--clip-norm")
+    g = None if use_norm is None else opts.parse_float(use_norm, "--use-norm")
+    if g is not None and not (math.isfinite(g) and g >= 0):
+        opts.usage(f"must be a finite number >= 0, got {use_norm}", "--use-norm")
+    with handled_errors(debug, "clip"):
+        from clipcli.commands import clip
+
+        _clip(
+            clip.clip_global_norm, clip.ClipGlobalNormOptions, checkpoint, output, in_place, dry_run, drop_metadata,
+            report_file, quiet, fmt, include, exclude, clip_norm=c, use_norm=g, allow_nonfinite=allow_nonfinite,
+            sort=sort and sort.value, top=top, jobs=worker_count(jobs),
+        )  # fmt: skip
+
+
+@app.command(
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli diff step-1000.safetensors step-2000.safetensors --sort diff --top 10",
+        "clipcli diff pytorch_model.bin model.safetensors --fail-different",
+        "clipcli diff base/ finetuned/ --depth 3 --fail-rel-above 0.05 --format json",
+    ),
+)
+def diff(
+    a: opts.DiffA,
+    b: opts.DiffB,
+    ord: opts.Ord = "2",
+    depth: opts.Depth = None,
+    sort: opts.DiffSort = None,
+    top: opts.Top = None,
+    fail_above: opts.DiffFailAbove = None,
+    fail_rel_above: opts.FailRelAbove = None,
+    fail_different: opts.FailDifferent = False,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """How far checkpoint B is from A: ‖A−B‖, ‖A‖, ‖B‖, ‖A−B‖/‖A‖, cosine, max |a−b| and changed elements.
+
+    Tensors are matched by name; tensors of different dtypes are compared by value (how much did the
+    bfloat16 conversion change the weights?); bit-identical tensors are summed up in one line; tensors
+    in one checkpoint only, and shape mismatches, are listed. Without a gate the exit status is 0 whatever
+    differs, as with `git diff`.
+    """
+    with handled_errors(debug, "diff"):  # --ord: its limit is the core's (NumPy)
+        p = opts.parse_ord(ord)
+        limit = None if fail_above is None else opts.parse_limit(fail_above, "--fail-above")
+        rel_limit = None if fail_rel_above is None else opts.parse_limit(fail_rel_above, "--fail-rel-above")
+        from clipcli.checkpoint import open_checkpoint
+        from clipcli.commands import diff as command
+
+        limits = command.DiffLimits(limit, rel_limit, fail_different, fail_above, fail_rel_above)
+        with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
+            selection = selection_of(include, exclude, ca, cb)
+            options = command.DiffOptions(selection, p, depth, sort and sort.value, top, worker_count(jobs))
+            total = sum(t.nbytes for t in ca.tensors) + sum(t.nbytes for t in cb.tensors)
+            with progress_bar(total, quiet) as progress:
+                report = command.diff(ca, cb, options, progress)
+        command.check_measured(report, limits)
+        emit(report, fmt, quiet)
+        exit_on_gate(next(iter(command.failures(report, limits)), None))
+
+
+@app.command(
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli convert pytorch_model.bin -o model.safetensors",
+        "clipcli convert model.safetensors -o shards/ --max-shard-size 5GB",
+        "clipcli convert shards/ -o merged.safetensors --dry-run",
+    ),
+)
+def convert(
+    checkpoint: opts.ConvertCheckpoint,
+    output: opts.ConvertOutput,
+    max_shard_size: opts.MaxShardSize = None,
+    dry_run: opts.DryRun = False,
+    drop_metadata: opts.DropMetadata = False,
+    report_file: opts.ReportFile = None,
+    sort: opts.InspectSort = None,
+    top: opts.Top = None,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """The same tensors in another format or layout: every value, dtype, shape, name and the metadata kept,
+    or an error that says what would be lost.
+
+    PyTorch files (read without torch, never unpickled) become .safetensors or .npz; sharded checkpoints
+    merge into one file; one file splits into shards with --max-shard-size. Tensors that share storage in
+    a PyTorch file (tied weights) become separate copies, and the report says so. Tensors left out by
+    --include/--exclude are not written.
+    """
+    max_shard = None if max_shard_size is None else opts.parse_size(max_shard_size, "--max-shard-size")
+    with handled_errors(debug, "convert"):
+        from clipcli.checkpoint import check_output, check_report, open_checkpoint
+        from clipcli.commands import convert as command
+
+        with open_checkpoint(checkpoint) as ckpt:
+            if drop_metadata:
+                ckpt.metadata = {}
+            target = check_output(output, ckpt, resharding=max_shard is not None, command="convert")
+            if report_file is not None:
+                check_report(report_file, ckpt, None if dry_run else target)
+            selection = selection_of(include, exclude, ckpt)
+            options = command.ConvertOptions(
+                target=target, dry_run=dry_run, max_shard=max_shard, selection=selection, sort=sort and sort.value,
+                top=top, jobs=worker_count(jobs),
+            )  # fmt: skip
+            with progress_bar(sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
+                report = command.convert(ckpt, options, progress)
+        emit(report, fmt, quiet, report_file)

@@ -3,8 +3,8 @@
     python benchmarks/run.py                       # everything (2 GiB float32, 1 GiB bfloat16 and float16)
     python benchmarks/run.py --gib 0.25            # a quick one
     python benchmarks/run.py --jobs 1,2,4,8,16     # the scaling tables, one per --jobs
-    python benchmarks/run.py --only scaling,tiny   # some sections: scaling, baselines, diff, torch, distcp,
-                                                   # workers, tiny, help, memory
+    python benchmarks/run.py --only scaling,tiny   # some sections: scaling, baselines, diff, trust, torch,
+                                                   # distcp, workers, tiny, help, memory
     python -P benchmarks/run.py --clipcli "env PYTHONPATH=$PWD python -P -m clipcli" \
         --versus "env PYTHONPATH=$PWD/../before python -P -m clipcli"   # this tree against another, row by row
                                                    # (-P: `python -m` would import the clipcli in the cwd)
@@ -219,6 +219,15 @@ def ensure_many(path: Path, n: int, shape: tuple[int, int] = (16, 8), perturb: f
     return path
 
 
+def ensure_shards(path: Path, source: Path, n: int) -> Path:
+    """`source` converted to a sharded directory of `n` shards (and its index)."""
+    if not path.exists():
+        size = source.stat().st_size // n + 1
+        command = f"{CLIPCLI['ours']} convert {q(str(source))} -o {q(str(path))} --max-shard-size {size} -q"
+        subprocess.run(["bash", "-c", command], check=True, env=ENV)
+    return path
+
+
 def ensure_members(path: Path, n: int) -> Path:
     """An .npz of `n` small members (gensim's test data has one of 7,488)."""
     if not path.exists():
@@ -260,7 +269,7 @@ def main() -> None:
     args = parser.parse_args()
     CLIPCLI.update(ours=args.clipcli, versus=args.versus)
     gib, reps = args.gib, args.reps
-    everything = {"scaling", "baselines", "diff", "torch", "distcp", "workers", "tiny", "help"}
+    everything = {"scaling", "baselines", "diff", "trust", "torch", "distcp", "workers", "tiny", "help"}
     sections = set(filter(None, args.only.split(","))) or everything
     sections |= {"memory"} if not args.only else set()
     tag = f"{gib:g}g"
@@ -363,6 +372,31 @@ def main() -> None:
             f"cmp {q(str(f32))} {q(str(copy))}",
             reps,
         )
+
+    if "trust" in sections:
+        shards = ensure_shards(DATA / f"f32-{tag}-10-shards", f32, 10)
+        one = ensure_many(DATA / "many-1.safetensors", 1)
+        print("\n### Can I trust this checkpoint? (stats, hash, verify)\n")
+        header()
+        compare(
+            f"stats {gib:g} GiB float32 vs `global-norm` of it",
+            f"clipcli stats {q(str(f32))} -q",
+            f"clipcli global-norm {q(str(f32))} -q",
+            reps,
+        )
+        compare(
+            f"hash {gib:g} GiB float32 vs `sha256sum`",
+            f"clipcli hash {q(str(f32))} -q",
+            f"sha256sum {q(str(f32))}",
+            reps,
+        )
+        row = compare(
+            f"verify of {gib:g} GiB in 10 shards (no --values) vs verify of a 1-tensor file",
+            f"clipcli verify {q(str(shards))} -q",
+            f"clipcli verify {q(str(one))} -q",
+            reps,
+        )
+        print(f"\nverify of 10 shards, beyond start-up: {row['ours'] - row['baseline']:+.3f} s", flush=True)
 
     if "torch" in sections:
         pt = ensure_torch(DATA / f"f32-{tag}.pt", f32, args.torch_python or sys.executable)
@@ -515,6 +549,8 @@ def main() -> None:
                 (f"clip-global-norm {path.name}", f"clipcli clip-global-norm {p} -o {o} --clip-norm 5 -q"),
                 (f"clip-norm --axes 0 {path.name}", f"clipcli clip-norm {p} -o {o} --clip-norm 5 --axes 0 -q"),
                 (f"clip-value {path.name}", f"clipcli clip-value {p} -o {o} --min -1 --max 1 -q"),
+                (f"stats {path.name}", f"clipcli stats {p} -q"),
+                (f"hash {path.name}", f"clipcli hash {p} -q"),
             ):
                 peaks = [peak_memory(f"{command} --jobs {j}") for j in (1, 2, 16)]
                 print(f"| {label} | " + " | ".join(f"{m:.0f}" for m in peaks) + " |", flush=True)

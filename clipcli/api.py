@@ -209,14 +209,17 @@ def diff_of(
     sort: str | None = None,
     top: int | None = None,
     jobs: int | None = None,
+    maps: Iterable[str] = (),
 ) -> DiffReport:
     """`clipcli diff A B`: how far B is from A, tensor by tensor and over all (`report.different`: what differs,
-    in words; `report.exceeds(x)`, `report.rel_exceeds(r)`: what `--fail-above`, `--fail-rel-above` check)."""
+    in words; `report.exceeds(x)`, `report.rel_exceeds(r)`: what `--fail-above`, `--fail-rel-above` check);
+    `maps`: the --map texts ('state_dict.=')."""
     from clipcli.checkpoint import open_checkpoint
-    from clipcli.commands.diff import DiffOptions, diff
+    from clipcli.commands.diff import DiffOptions, diff, parse_map
     from clipcli.commands.passes import workers
 
-    options = DiffOptions(_selection(include, exclude), _order(ord), depth, sort, top, workers(jobs))
+    pairs = tuple(parse_map(m) for m in ([maps] if isinstance(maps, str) else maps))
+    options = DiffOptions(_selection(include, exclude), _order(ord), depth, sort, top, workers(jobs), pairs)
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         return diff(ca, cb, options)
 

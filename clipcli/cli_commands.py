@@ -299,6 +299,7 @@ def diff(
     fail_above: opts.DiffFailAbove = None,
     fail_rel_above: opts.FailRelAbove = None,
     fail_different: opts.FailDifferent = False,
+    maps: opts.Maps = None,
     jobs: opts.Jobs = None,
     include: opts.Include = None,
     exclude: opts.Exclude = None,
@@ -311,7 +312,8 @@ def diff(
     Tensors are matched by name; tensors of different dtypes are compared by value (how much did the
     bfloat16 conversion change the weights?); bit-identical tensors are summed up in one line; tensors
     in one checkpoint only, and shape mismatches, are listed. Without a gate the exit status is 0 whatever
-    differs, as with `git diff`.
+    differs, as with `git diff`. --map 'A_PREFIX=B_PREFIX' pairs names that differ by a prefix (a Lightning
+    `state_dict.`, a DDP `module.`): rows and only-in-A are named as in A, only-in-B as in B.
     """
     with handled_errors(debug, "diff"):  # --ord: its limit is the core's (NumPy)
         p = opts.parse_ord(ord)
@@ -323,7 +325,8 @@ def diff(
         limits = command.DiffLimits(limit, rel_limit, fail_different, fail_above, fail_rel_above)
         with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
             selection = selection_of(include, exclude, ca, cb)
-            options = command.DiffOptions(selection, p, depth, sort and sort.value, top, worker_count(jobs))
+            pairs = tuple(command.parse_map(m) for m in maps or ())
+            options = command.DiffOptions(selection, p, depth, sort and sort.value, top, worker_count(jobs), pairs)
             total = sum(t.nbytes for t in ca.tensors) + sum(t.nbytes for t in cb.tensors)
             with progress_bar(total, quiet) as progress:
                 report = command.diff(ca, cb, options, progress)

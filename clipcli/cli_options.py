@@ -341,6 +341,15 @@ FailDifferent = Annotated[
         help="Exit 1 if anything differs: values, names, shapes, dtypes or metadata (cmp for checkpoints).",
     ),
 ]
+Maps = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--map",
+        metavar="A_PREFIX=B_PREFIX",
+        help="Compare A's tensors whose names start with A_PREFIX with B's named B_PREFIX + the rest "
+        "('state_dict.=' for a Lightning file against its bare state dict; repeatable: the first that fits).",
+    ),
+]
 ConvertCheckpoint = Annotated[
     Path,
     typer.Argument(

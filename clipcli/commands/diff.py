@@ -24,7 +24,31 @@ from clipcli.report.diff import DiffGroup, DiffReport, DiffRow, Mismatch
 
 @dataclass(frozen=True)
 class DiffOptions(NormOptions):
-    """What `diff` compares (`NormOptions`: the order is that of ‖A−B‖; `sort` also takes diff and rel)."""
+    """What `diff` compares (`NormOptions`: the order is that of ‖A−B‖; `sort` also takes diff and rel), and
+    `maps`: (A prefix, B prefix) pairs, the first whose A prefix starts a name of A renaming it to the name it
+    has in B (`--map 'state_dict.='`: A's `state_dict.x` is B's `x`)."""
+
+    maps: tuple[tuple[str, str], ...] = ()
+
+
+def parse_map(text: str) -> tuple[str, str]:
+    """`A_PREFIX=B_PREFIX` (either side may be empty; the first `=` splits them).
+
+    Raises:
+        UsageError: without a `=`, or with both prefixes empty.
+    """
+    a, sep, b = text.partition("=")
+    if not sep or not (a or b):
+        raise UsageError(f"{text!r} is not A_PREFIX=B_PREFIX (e.g. 'state_dict.=' or 'module.=')", param="--map")
+    return a, b
+
+
+def name_in_b(name: str, maps: tuple[tuple[str, str], ...]) -> str:
+    """The name a tensor of A has in B: the first map whose A prefix starts it renames it; else the same name."""
+    for prefix_a, prefix_b in maps:
+        if name.startswith(prefix_a):
+            return prefix_b + name[len(prefix_a) :]
+    return name
 
 
 @dataclass(frozen=True)
@@ -192,10 +216,11 @@ def diff(
     listed_b = {t.name: t for t in b.tensors if selection.selects(t.name)}
     if (selection.include or selection.exclude) and not listed_a and not listed_b:
         selection.check(a)
-    names = [n for n in listed_a if n in listed_b]
+    in_b = _names_in_b(listed_a, options.maps)
+    names = [n for n in listed_a if in_b[n] in listed_b]
     mismatched, pairs, numeric = [], [], []
     for name in names:
-        ta, tb = listed_a[name], listed_b[name]
+        ta, tb = listed_a[name], listed_b[in_b[name]]
         if ta.shape != tb.shape:
             mismatched.append(Mismatch(name, ta.shape, tb.shape, "shapes differ"))
         elif ta.skip is not None or tb.skip is not None or ta.location is None or tb.location is None:
@@ -260,13 +285,29 @@ def diff(
         # --top K picks among the tensors that differ; the identical ones are counted, not ranked
         shown=order(rows, sort, None) if top is None else order([r for r in rows if not r.identical], sort, top),
         others=tuple(others),
-        only_a=tuple(n for n in listed_a if n not in listed_b),
-        only_b=tuple(n for n in listed_b if n not in listed_a),
+        only_a=tuple(n for n in listed_a if in_b[n] not in listed_b),
+        only_b=tuple(n for n in listed_b if n not in set(in_b.values())),
         mismatched=tuple(mismatched),
         metadata_differs=metadata_differs(a, b, selection),
         groups=groups,
         group_count=len(every),
     )
+
+
+def _names_in_b(listed_a: dict[str, TensorInfo], maps: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """Each selected name of A and the name it has in B (`name_in_b`).
+
+    Raises:
+        UsageError: when the maps give two tensors of A one name in B.
+    """
+    in_b: dict[str, str] = {}
+    taken: dict[str, str] = {}
+    for name in listed_a:
+        mapped = in_b[name] = name_in_b(name, maps)
+        if mapped in taken:
+            raise UsageError(f"--map gives {taken[mapped]!r} and {name!r} of A the same name in B, {mapped!r}")
+        taken[mapped] = name
+    return in_b
 
 
 def _diff_groups(

@@ -492,3 +492,63 @@ def test_torch_leaves_count_and_a_conversion_keeps_them(tmp_path):
     dropped = tmp_path / "dropped.safetensors"
     assert run("convert", source, "-o", dropped, "--drop-metadata", "--quiet").exit_code == 0
     assert diff_json(source, dropped)["metadata_differs"] == sorted(metadata)  # what --drop-metadata lost
+
+
+def test_map_pairs_a_lightning_checkpoint_with_its_bare_state_dict(tmp_path):
+    # issue 26 item 4: a Lightning `state_dict.`-prefixed file (written by real torch) against its bare state dict
+    import clipcli
+
+    lightning = DATA / "torch" / "lightning.ckpt"
+    with clipcli.open(lightning) as ckpt:
+        bare = {n.removeprefix("state_dict."): ckpt.read(n) for n in ckpt.names if n.startswith("state_dict.")}
+        optimizer = sorted(n for n in ckpt.names if not n.startswith("state_dict."))
+    assert bare and optimizer
+    plain = write_st(tmp_path / "bare.safetensors", bare)
+    without = diff_json(lightning, plain)
+    assert without["tensors"] == [] and sorted(without["only_b"]) == sorted(bare)
+    report = diff_json(lightning, plain, "--map", "state_dict.=")
+    assert sorted(t["name"] for t in report["tensors"]) == sorted(f"state_dict.{n}" for n in bare)
+    assert all(t["identical"] and t["diff_norm"] == 0 for t in report["tensors"])
+    assert report["only_b"] == [] and report["mismatched"] == [] and sorted(report["only_a"]) == optimizer
+    exact = exact_norm(np.concatenate([v.ravel() for v in bare.values()]))
+    assert report["diff_norm"] == 0 and math.isclose(report["norm_a"], exact, rel_tol=1e-12)
+
+
+def test_map_with_fail_different_passes_only_when_the_mapped_names_match(tmp_path):
+    # a DDP `module.` prefix: the same values under other names; the first map that fits renames
+    rng = np.random.default_rng(3)
+    values = {"w": rng.standard_normal((4, 3)).astype(F32), "b": rng.standard_normal(3).astype(F32)}
+    ddp = write_st(tmp_path / "ddp.safetensors", {f"module.{k}": v for k, v in values.items()})
+    plain = write_st(tmp_path / "plain.safetensors", values)
+    assert run("diff", ddp, plain, "--fail-different", "-q").exit_code == 1
+    assert run("diff", ddp, plain, "--map", "module.=", "--fail-different", "-q").exit_code == 0
+    assert run("diff", ddp, plain, "--map", "x.=y.", "--map", "module.=", "--fail-different", "-q").exit_code == 0
+    assert run("diff", plain, ddp, "--map", "=module.", "--fail-different", "-q").exit_code == 0
+    changed = write_st(tmp_path / "changed.safetensors", {**values, "w": values["w"] * 2})
+    report = diff_json(ddp, changed, "--map", "module.=")
+    rows = {t["name"]: t for t in report["tensors"]}
+    assert rows["module.b"]["identical"] and not rows["module.w"]["identical"]
+    assert math.isclose(rows["module.w"]["diff_norm"], exact_diff_norm(values["w"], values["w"] * 2), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("text", ["nothing", "=", ""])
+def test_a_map_that_is_not_a_prefix_pair_is_a_usage_error(tmp_path, text):
+    a = write_st(tmp_path / "a.safetensors", {"w": np.ones(2, F32)})
+    done = run("diff", a, a, "--map", text)
+    assert done.exit_code == 2 and "--map" in done.output and "A_PREFIX=B_PREFIX" in done.output
+
+
+def test_a_map_that_gives_two_tensors_one_name_is_a_usage_error(tmp_path):
+    a = write_st(tmp_path / "a.safetensors", {"module.w": np.ones(2, F32), "w": np.ones(2, F32)})
+    done = run("diff", a, a, "--map", "module.=")
+    assert done.exit_code == 2 and "the same name in B, 'w'" in done.output
+
+
+def test_diff_of_maps_as_the_command_line_does(tmp_path):
+    import clipcli
+
+    a = write_st(tmp_path / "a.safetensors", {"state_dict.w": np.arange(3, dtype=F32)})
+    b = write_st(tmp_path / "b.safetensors", {"w": np.arange(3, dtype=F32)})
+    report = clipcli.diff_of(a, b, maps="state_dict.=")
+    assert report.to_dict() == diff_json(a, b, "--map", "state_dict.=")
+    assert not report.different

@@ -181,21 +181,26 @@ def global_norm_of(
     sort: str | None = None,
     top: int | None = None,
     jobs: int | None = None,
+    combined: bool = False,
+    prefix_with_file: bool = False,
 ) -> NormReport:
-    """`clipcli global-norm PATHS...`: per-tensor norms and each checkpoint's global norm (`report.exceeds(x)`:
-    what `--fail-above x` checks)."""
+    """`clipcli global-norm PATHS...`: per-tensor norms and each checkpoint's global norm, and with `combined`
+    the one over all of them (`report.combined`) (`report.exceeds(x)`: what `--fail-above x` checks)."""
     from clipcli.checkpoint import open_checkpoint
-    from clipcli.commands.global_norm import NormOptions, global_norm
+    from clipcli.commands.global_norm import NormOptions, norm_report
     from clipcli.commands.passes import workers
-    from clipcli.report.norms import NormReport
 
-    p = _order(ord)
-    options = NormOptions(_selection(include, exclude), p, depth, sort, top, workers(jobs))
-    measured = []
-    for path in paths:
-        with open_checkpoint(path) as ckpt:
-            measured.append(global_norm(ckpt, options))
-    return NormReport(p, tuple(measured))
+    if prefix_with_file and not combined:
+        raise UsageError("only with combined=True", param="prefix_with_file")
+    options = NormOptions(_selection(include, exclude), _order(ord), depth, sort, top, workers(jobs))
+    opened = []
+    try:
+        for path in paths:
+            opened.append(open_checkpoint(path))
+        return norm_report(opened, options, combined=combined, prefix_with_file=prefix_with_file)
+    finally:
+        for ckpt in opened:
+            ckpt.close()
 
 
 def diff_of(

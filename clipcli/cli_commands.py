@@ -65,6 +65,8 @@ def global_norm(
     top: opts.Top = None,
     fail_above: opts.FailAbove = None,
     fail_nonfinite: opts.FailNonfinite = False,
+    combined: opts.CombinedOpt = False,
+    prefix_with_file: opts.PrefixWithFile = False,
     jobs: opts.Jobs = None,
     include: opts.Include = None,
     exclude: opts.Exclude = None,
@@ -75,7 +77,9 @@ def global_norm(
     """Per-tensor norms, max |x|, NaN/Inf counts and shares, and the global norm (tf.linalg.global_norm).
 
     A gate (--fail-above, --fail-nonfinite) never passes because nothing was measured: a checkpoint with no
-    floating tensor selected is a usage error (exit 2) when a gate is given.
+    floating tensor selected is a usage error (exit 2) when a gate is given. --combined adds one global norm
+    over the tensors of all the checkpoints (per-rank gradient files: the norm clip_grad_norm_ sees across
+    ranks), which --fail-above then checks.
     """
     with handled_errors(debug, "global_norm"):  # --ord: its limit is the core's (NumPy)
         p = opts.parse_ord(ord)
@@ -83,23 +87,17 @@ def global_norm(
         from clipcli.checkpoint import open_checkpoint
         from clipcli.commands import gates
         from clipcli.commands import global_norm as command
-        from clipcli.report.norms import NormReport
 
         limits = command.NormLimits(limit, fail_nonfinite, fail_above)
+        if prefix_with_file and not combined:
+            opts.usage("only with --combined", "--prefix-with-file")
         opened = [open_checkpoint(path) for path in checkpoints]
         selection = selection_of(include, exclude, *opened)
         options = command.NormOptions(selection, p, depth, sort and sort.value, top, worker_count(jobs))
-        total = sum(t.nbytes for c in opened for t in c.tensors)
-        measured = []
-        with progress_bar(total, quiet) as progress:
-            for ckpt in opened:
-                with ckpt:
-                    norms = command.global_norm(ckpt, options, progress)
-                    command.check_measured(norms, limits)
-                    measured.append(norms)
-        report = NormReport(p, tuple(measured))
+        with progress_bar(sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
+            report = command.norm_report(opened, options, progress, combined, prefix_with_file, limits)
         emit(report, fmt, quiet)
-        exit_on_gate(gates.failure(command.failures(report, limits), len(measured)))
+        exit_on_gate(gates.failure(command.failures(report, limits), len(report.checkpoints)))
 
 
 def _clip(

@@ -341,6 +341,22 @@ FailDifferent = Annotated[
         help="Exit 1 if anything differs: values, names, shapes, dtypes or metadata (cmp for checkpoints).",
     ),
 ]
+CombinedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--combined",
+        help="Also one global norm over the tensors of all the checkpoints, as if one (per-rank gradient files); "
+        "--fail-above checks it. A tensor name in two checkpoints is a usage error.",
+    ),
+]
+PrefixWithFile = Annotated[
+    bool,
+    typer.Option(
+        "--prefix-with-file",
+        help="With --combined: the checkpoints' tensors are different tensors even where names repeat; "
+        "rows are named FILE/NAME.",
+    ),
+]
 Maps = Annotated[
     list[str] | None,
     typer.Option(

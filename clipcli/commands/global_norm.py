@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from clipcli.checkpoint import Checkpoint
 from clipcli.commands.gates import exceeds, limit_text
 from clipcli.commands.measure import NormOptions, groups, measure, nonfinite
 from clipcli.commands.passes import NO_PROGRESS, Progress
-from clipcli.commands.select import order, select, shared_storages
+from clipcli.commands.select import Selection, order, select, shared_storages
+from clipcli.core.norms import NormAccumulator
 from clipcli.errors import CheckFailedError, UsageError
-from clipcli.report.norms import CheckpointNorms, NormReport
+from clipcli.report.norms import CheckpointNorms, Combined, NormReport
 from clipcli.report.rows import summarize
 
 
@@ -39,19 +42,100 @@ def global_norm(
     Raises:
         UsageError: when --include/--exclude select no tensor.
     """
+    return measured_norms(ckpt, options, progress)[0]
+
+
+def norm_report(
+    ckpts: Sequence[Checkpoint],
+    options: NormOptions = NormOptions(),
+    progress: Progress = NO_PROGRESS,
+    combined: bool = False,
+    prefix_with_file: bool = False,
+    limits: NormLimits = NormLimits(),
+) -> NormReport:
+    """`global_norm` of each checkpoint (each closed once measured), and with `combined` the global norm over
+    all of them (`combine`); `prefix_with_file` names the rows FILE/NAME and lets names repeat across files.
+
+    Raises:
+        UsageError: when --include/--exclude select no tensor, when a gate has nothing to check
+            (`check_measured`), or when `combined` meets one name in two checkpoints (`check_distinct`).
+    """
+    if combined and not prefix_with_file:
+        check_distinct(ckpts, options.selection)
+    measured = []
+    for ckpt in ckpts:
+        with ckpt:
+            prefix = file_prefix(ckpt) if prefix_with_file else ""
+            norms, acc = measured_norms(ckpt, options, progress, prefix)
+            check_measured(norms, limits)
+            measured.append((norms, acc))
+    joint = combine(measured, options.ord) if combined else None
+    return NormReport(options.ord, tuple(norms for norms, _ in measured), joint)
+
+
+def measured_norms(
+    ckpt: Checkpoint, options: NormOptions = NormOptions(), progress: Progress = NO_PROGRESS, prefix: str = ""
+) -> tuple[CheckpointNorms, NormAccumulator]:
+    """`global_norm`, and the accumulator of its global norm (to combine with other checkpoints'); `prefix`
+    goes before every tensor name the report shows (--prefix-with-file)."""
     p = options.ord
     selected, skipped = select(ckpt, options.selection)
     m = measure(ckpt, selected, skipped, p, progress, options.jobs)
+    rows = [replace(r, name=prefix + r.name) for r in m.rows] if prefix else m.rows
     every = groups(m, options.depth, p) if options.depth else ()
-    return CheckpointNorms(
+    norms = CheckpointNorms(
         path=str(ckpt.path),
-        summary=summarize(m.rows),
+        summary=summarize(rows),
         global_norm=m.total.result().norm,
-        tensors=order(m.rows, options.sort, options.top),
+        tensors=order(rows, options.sort, options.top),
         skipped=tuple(m.skipped),
         groups=order(every, options.sort, options.top) if options.depth else None,
         group_count=len(every),
         shared=shared_storages(selected),
+    )
+    return norms, m.total
+
+
+def file_prefix(ckpt: Checkpoint) -> str:
+    """What --prefix-with-file puts before a checkpoint's tensor names: its file (or directory) name and `/`."""
+    return f"{Path(ckpt.path).name}/"
+
+
+def check_distinct(ckpts: Sequence[Checkpoint], selection: Selection) -> None:
+    """Refuses --combined over checkpoints that share a selected tensor name: the same tensor twice (replicas of
+    data parallelism) would be counted twice; --prefix-with-file says they are different tensors.
+
+    Raises:
+        UsageError: naming the first tensor found in two checkpoints.
+    """
+    seen: dict[str, str] = {}
+    for ckpt in ckpts:
+        for t in ckpt.tensors:
+            if not selection.selects(t.name):
+                continue
+            if t.name in seen and seen[t.name] != str(ckpt.path):
+                raise UsageError(
+                    f"tensor {t.name!r} is in {seen[t.name]} and in {ckpt.path}: --combined would count it twice "
+                    "(give --prefix-with-file if they are different tensors)",
+                    param="--combined",
+                )
+            seen.setdefault(t.name, str(ckpt.path))
+
+
+def combine(parts: Sequence[tuple[CheckpointNorms, NormAccumulator]], p: float) -> Combined:
+    """One global norm over the selected tensors of several checkpoints, as if concatenated (exact: their
+    accumulators merged), and each checkpoint's share of it."""
+    total = NormAccumulator(p)
+    for _, acc in parts:
+        total.merge(acc)
+    stats = total.result()
+    return Combined(
+        global_norm=stats.norm,
+        tensors=sum(c.summary.tensors for c, _ in parts),
+        max_abs=stats.max_abs,
+        nan=stats.nan,
+        inf=stats.inf,
+        shares=tuple(acc.share_of(total) for _, acc in parts),
     )
 
 
@@ -70,11 +154,15 @@ def failures(report: NormReport, limits: NormLimits) -> list[str]:
     """Why the report fails its gates: one line for each checkpoint that fails one (NaN or Inf first), none
     where it passes."""
     out = []
+    text = limits.fail_above_text or (limit_text(limits.fail_above) if limits.fail_above is not None else "")
     for c in report.checkpoints:
         error = nonfinite(c.path, c.summary.nonfinite) if limits.fail_nonfinite else None
-        if error is None and limits.fail_above is not None and c.exceeds(limits.fail_above):
-            text = limits.fail_above_text or limit_text(limits.fail_above)
+        if error is None and report.combined is None and limits.fail_above is not None and c.exceeds(limits.fail_above):
             error = CheckFailedError(exceeds("global norm", c.global_norm, "--fail-above", text), c.path)
         if error is not None:
             out.append(str(error))
+    if report.combined is not None and limits.fail_above is not None and report.exceeds(limits.fail_above):
+        g = report.combined.global_norm
+        where = f"{len(report.checkpoints)} checkpoints combined"
+        out.append(str(CheckFailedError(exceeds("combined global norm", g, "--fail-above", text), where)))
     return out

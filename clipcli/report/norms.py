@@ -161,22 +161,54 @@ class CheckpointNorms(Norms):
 
 
 @dataclass(frozen=True)
+class Combined:
+    """`global-norm --combined`: one global norm over the selected tensors of all the checkpoints, as if
+    concatenated, and each checkpoint's share of its norm**p (None for the inf-norm)."""
+
+    global_norm: float
+    tensors: int
+    max_abs: float
+    nan: int
+    inf: int
+    shares: tuple[float | None, ...]
+
+    def exceeds(self, limit: float) -> bool:
+        return not (math.isfinite(self.global_norm) and self.global_norm <= limit)
+
+
+@dataclass(frozen=True)
 class NormReport(Report):
-    """`global-norm`: per-tensor norms, max |x|, NaN/Inf counts and shares, and each checkpoint's global norm."""
+    """`global-norm`: per-tensor norms, max |x|, NaN/Inf counts and shares, and each checkpoint's global norm
+    (and, with --combined, the one over all of them)."""
 
     command: ClassVar[str] = "global-norm"
     ord: float
     checkpoints: tuple[CheckpointNorms, ...]
+    combined: Combined | None = None
 
     def exceeds(self, limit: float) -> bool:
-        """Whether a checkpoint's global norm is above `limit` or not a finite number (`--fail-above`)."""
+        """Whether a checkpoint's global norm (the combined one, with --combined) is above `limit` or not a finite
+        number (`--fail-above`)."""
+        if self.combined is not None:
+            return self.combined.exceeds(limit)
         return any(c.exceeds(limit) for c in self.checkpoints)
 
     def _json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema": SCHEMA, "command": self.command, "ord": ord_value(self.ord)}
+        k = self.combined
+        if k is not None:
+            out["combined"] = {
+                "global_norm": num(k.global_norm),
+                "tensor_count": k.tensors,
+                "max_abs": num(k.max_abs),
+                "nan": k.nan,
+                "inf": k.inf,
+            }
         out["checkpoints"] = []
-        for c in self.checkpoints:
+        for i, c in enumerate(self.checkpoints):
             one = c._checkpoint_json(clip=False)
+            if k is not None:
+                one["share"] = num(k.shares[i])  # of the combined norm**p
             if c.groups is not None:
                 one["groups"] = [
                     {"name": g.name, "tensors": g.tensors, "norm": num(g.norm), "share": num(g.share)} for g in c.groups
@@ -192,9 +224,12 @@ class NormReport(Report):
             for g in c.groups or ():
                 w.writerow([cell(c.path), cell(g.name), "", "", csv_num(g.norm), "", "", "", csv_num(g.share), "group"])
             w.writerow([*c._global_row(), "global"])
+        k = self.combined
+        if k is not None:
+            w.writerow(["", "", "", "", csv_num(k.global_norm), csv_num(k.max_abs), k.nan, k.inf, "", "combined"])
 
     def _blocks(self) -> list[list[str]]:
-        if len(self.checkpoints) > 1:
+        if len(self.checkpoints) > 1 or self.combined is not None:
             return [self._several_lines()]
         c = self.checkpoints[0]
         s = c.summary
@@ -208,13 +243,22 @@ class NormReport(Report):
         return [lines + c._tail(written=False)]
 
     def _several_lines(self) -> list[str]:
+        k = self.combined
         headers = ["checkpoint", "global norm", "tensors", "skipped", "max |x|", "nan", "inf"]
         rows = []
-        for c in self.checkpoints:
+        for i, c in enumerate(self.checkpoints):
             s = c.summary
             counts = [f"{s.tensors:,}", f"{len(c.skipped):,}", fmt(s.max_abs), f"{s.nan:,}", f"{s.inf:,}"]
-            rows.append([c.path, fmt(c.global_norm), *counts])
-        lines = table(headers, rows, right=range(1, 7))
+            rows.append([c.path, fmt(c.global_norm), *counts] + ([share_bar(k.shares[i])] if k else []))
+        lines = []
+        if k is not None:
+            headers.append("share")
+            name = norm_name(self.ord)
+            lines.append(
+                f"combined {name} {fmt(k.global_norm)} over {plural(k.tensors, 'tensor')} "
+                f"of {len(self.checkpoints)} checkpoints (max |x| {fmt(k.max_abs)}, nan {k.nan:,}, inf {k.inf:,})"
+            )
+        lines += table(headers, rows, right=range(1, 7))
         for c in self.checkpoints:
             if c.groups is not None:
                 lines += ["", f"{c.path}: groups", *c._group_lines()]

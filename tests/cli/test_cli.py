@@ -961,7 +961,7 @@ def test_internal_errors_exit_70_with_one_line(grads, monkeypatch):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero\nsecond line")
 
-    monkeypatch.setattr(norm_commands, "global_norm", broken)
+    monkeypatch.setattr(norm_commands, "norm_report", broken)
     result = run("global-norm", grads)
     assert result.exit_code == 70
     assert result.stderr.count("\n") == 1
@@ -1247,13 +1247,13 @@ def test_sort_by_norm_puts_nan_first(nonfinite):
 
 def test_jobs_option_is_honoured_up_to_the_cores(grads, monkeypatch):
     seen = []
-    real = norm_commands.global_norm
+    real = norm_commands.measured_norms
 
     def spy(*args, **kwargs):
         seen.append(args[1].jobs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(norm_commands, "global_norm", spy)
+    monkeypatch.setattr(norm_commands, "measured_norms", spy)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     ok("global-norm", grads, "--jobs", "3", "--quiet")
     ok("global-norm", grads, "--jobs", "5", "--quiet")  # never more workers than cores

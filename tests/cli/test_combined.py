@@ -1,0 +1,101 @@
+"""global-norm --combined: one global norm over several checkpoints' tensors, against exact references."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import clipcli
+from tests.helpers import js, run, write_st
+
+F32 = np.float32
+
+
+def exact_pnorm(arrays, p: int) -> float:
+    """The p-norm of all values together, from exact sums (correctly rounded for p = 1; p = 2 within an ulp)."""
+    total = sum((abs(Fraction(float(v))) ** p for a in arrays for v in np.ravel(a)), Fraction(0))
+    return float(total) if p == 1 else math.sqrt(total)
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    """Three per-rank gradient files of distinct tensors (and one step counter, skipped)."""
+    rng = np.random.default_rng(7)
+    arrays = [
+        {"layers.0.w": rng.standard_normal((8, 5)).astype(F32), "step": np.array(3, np.int64)},
+        {"layers.1.w": (rng.standard_normal((6, 6)) * 4).astype(F32), "layers.1.b": rng.standard_normal(6).astype(F32)},
+        {"head.w": rng.standard_normal((3, 7)).astype(np.float64)},
+    ]
+    paths = [write_st(tmp_path / f"rank{i}.safetensors", a) for i, a in enumerate(arrays)]
+    floats = [[v for v in a.values() if v.dtype.kind == "f"] for a in arrays]
+    return paths, floats
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_the_combined_norm_is_the_norm_of_all_tensors_together(ranks, p):
+    paths, floats = ranks
+    report = js("global-norm", *paths, "--combined", "--ord", str(p))
+    every = [a for f in floats for a in f]
+    assert math.isclose(report["combined"]["global_norm"], exact_pnorm(every, p), rel_tol=1e-12)
+    assert report["combined"]["tensor_count"] == len(every)
+    assert report["combined"]["max_abs"] == max(float(np.abs(a).max()) for a in every)
+    whole = sum(abs(Fraction(float(v))) ** p for a in every for v in a.ravel())
+    for c, f in zip(report["checkpoints"], floats, strict=True):
+        part = sum(abs(Fraction(float(v))) ** p for a in f for v in a.ravel())
+        assert math.isclose(c["share"], float(part / whole), rel_tol=1e-12)
+        assert math.isclose(c["global_norm"], exact_pnorm(f, p), rel_tol=1e-12)  # each its own, as without
+    assert math.isclose(sum(c["share"] for c in report["checkpoints"]), 1.0, rel_tol=1e-12)
+
+
+def test_the_inf_norm_combined_is_the_largest_magnitude_and_has_no_shares(ranks):
+    paths, floats = ranks
+    report = js("global-norm", *paths, "--combined", "--ord", "inf")
+    assert report["combined"]["global_norm"] == max(float(np.abs(a).max()) for f in floats for a in f)
+    assert all(c["share"] is None for c in report["checkpoints"])
+
+
+def test_fail_above_checks_the_combined_norm(ranks):
+    paths, floats = ranks
+    g = exact_pnorm([a for f in floats for a in f], 2)
+    largest_own = max(exact_pnorm(f, 2) for f in floats)
+    between = (largest_own + g) / 2
+    assert largest_own < between < g
+    assert run("global-norm", *paths, "--fail-above", between, "-q").exit_code == 0
+    failed = run("global-norm", *paths, "--combined", "--fail-above", between, "-q")
+    assert failed.exit_code == 1 and "combined global norm" in failed.output
+    assert run("global-norm", *paths, "--combined", "--fail-above", g * 1.001, "-q").exit_code == 0
+
+
+def test_a_name_in_two_checkpoints_is_a_usage_error_unless_prefixed_with_the_file(tmp_path):
+    a = write_st(tmp_path / "a.safetensors", {"w": np.ones(3, F32)})
+    b = write_st(tmp_path / "b.safetensors", {"w": np.full(4, 2, F32)})
+    clash = run("global-norm", a, b, "--combined")
+    assert clash.exit_code == 2 and "'w' is in" in clash.output and "--prefix-with-file" in clash.output
+    assert run("global-norm", a, b).exit_code == 0  # without --combined: two reports, no clash
+    report = js("global-norm", a, b, "--combined", "--prefix-with-file")
+    assert [t["name"] for c in report["checkpoints"] for t in c["tensors"]] == ["a.safetensors/w", "b.safetensors/w"]
+    assert report["combined"]["global_norm"] == math.sqrt(3 + 16)
+    alone = run("global-norm", a, "--prefix-with-file")
+    assert alone.exit_code == 2 and "only with --combined" in alone.output
+
+
+def test_the_combined_report_is_the_same_bytes_for_any_jobs_and_from_python(ranks):
+    paths, _ = ranks
+    outs = {run("global-norm", *paths, "--combined", "--format", "json", "--jobs", j).stdout for j in ("1", "2", "8")}
+    assert len(outs) == 1
+    report = clipcli.global_norm_of(*paths, combined=True)
+    assert report.to_dict() == js("global-norm", *paths, "--combined")
+    assert report.combined.tensors == 4
+
+
+def test_the_table_and_csv_show_the_combined_norm(ranks):
+    paths, _ = ranks
+    table = run("global-norm", *paths, "--combined").stdout
+    assert table.startswith("combined global norm ") and "over 4 tensors of 3 checkpoints" in table
+    csv = run("global-norm", *paths, "--combined", "--format", "csv").stdout.splitlines()
+    assert csv[-1].endswith(",combined") and csv[-1].split(",")[4] == repr(
+        js("global-norm", *paths, "--combined")["combined"]["global_norm"]
+    )

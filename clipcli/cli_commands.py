@@ -242,7 +242,7 @@ def clip_norm(
     ),
 )
 def clip_global_norm(
-    checkpoint: opts.OneCheckpoint,
+    checkpoints: opts.ClipCheckpoints,
     clip_norm: opts.GlobalClipNorm,
     use_norm: opts.UseNorm = None,
     output: opts.Output = None,
@@ -251,6 +251,7 @@ def clip_global_norm(
     drop_metadata: opts.DropMetadata = False,
     report_file: opts.ReportFile = None,
     allow_nonfinite: opts.AllowNonfinite = False,
+    prefix_with_file: opts.ClipPrefixWithFile = False,
     sort: opts.Sort = None,
     top: opts.Top = None,
     jobs: opts.Jobs = None,
@@ -262,21 +263,85 @@ def clip_global_norm(
 ) -> None:
     """tf.clip_by_global_norm over all selected floating and complex tensors together: one common scale.
 
-    Reports the global norm before, the scale applied and the norm after.
+    Reports the global norm before, the scale applied and the norm after. Several checkpoints (per-rank
+    gradient files) are clipped together, with one scale from the global norm over all of them, each into
+    -o DIR/<its file name> (or --in-place); a tensor name in two of them is a usage error unless
+    --prefix-with-file.
     """
     c = opts.parse_float(clip_norm, "--clip-norm")
     opts.positive_finite(c, clip_norm, "--clip-norm")
     g = None if use_norm is None else opts.parse_float(use_norm, "--use-norm")
     if g is not None and not (math.isfinite(g) and g >= 0):
         opts.usage(f"must be a finite number >= 0, got {use_norm}", "--use-norm")
+    if prefix_with_file and len(checkpoints) == 1:
+        opts.usage("only with several checkpoints", "--prefix-with-file")
     with handled_errors(debug, "clip"):
         from clipcli.commands import clip
 
-        _clip(
-            clip.clip_global_norm, clip.ClipGlobalNormOptions, checkpoint, output, in_place, dry_run, drop_metadata,
-            report_file, quiet, fmt, include, exclude, clip_norm=c, use_norm=g, allow_nonfinite=allow_nonfinite,
-            sort=sort and sort.value, top=top, jobs=worker_count(jobs),
+        fields = dict(
+            clip_norm=c, use_norm=g, allow_nonfinite=allow_nonfinite, sort=sort and sort.value, top=top,
+            jobs=worker_count(jobs),
         )  # fmt: skip
+        if len(checkpoints) > 1:
+            _clip_together(
+                checkpoints, output, in_place, dry_run, drop_metadata, report_file, quiet, fmt, include, exclude,
+                prefix_with_file, fields,
+            )  # fmt: skip
+            return
+        _clip(
+            clip.clip_global_norm, clip.ClipGlobalNormOptions, checkpoints[0], output, in_place, dry_run,
+            drop_metadata, report_file, quiet, fmt, include, exclude, **fields,
+        )  # fmt: skip
+
+
+def _clip_together(
+    paths: list[Path],
+    output: str | None,
+    in_place: bool,
+    dry_run: bool,
+    drop_metadata: bool,
+    report_file: Path | None,
+    quiet: bool,
+    fmt: opts.Format,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    prefix_with_file: bool,
+    fields: dict[str, Any],
+) -> None:
+    """clip-global-norm of several checkpoints: each into OUT/<its name> (or in place), with one scale."""
+    import contextlib
+
+    from clipcli.checkpoint import check_report, open_checkpoint
+    from clipcli.commands import clip
+    from clipcli.commands.global_norm import check_distinct
+    from clipcli.commands.write import output_target
+
+    if in_place and output is not None:
+        opts.usage("give either -o/--output or --in-place, not both", "--in-place")
+    if output is None and not (in_place or dry_run):
+        opts.usage("missing; give -o DIR (several checkpoints), --in-place or --dry-run", "-o/--output")
+    names = [p.name for p in paths]
+    if output is not None and len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        opts.usage(f"two checkpoints are named {twice!r}: they cannot both go to {output}/{twice}", "-o/--output")
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(open_checkpoint(p)) for p in paths]
+        selection = selection_of(include, exclude, *opened)
+        if not prefix_with_file:
+            check_distinct(opened, selection, "clip-global-norm of several checkpoints")
+        if output is not None and not dry_run:
+            Path(output).mkdir(parents=True, exist_ok=True)
+        settings = []
+        for ckpt, name in zip(opened, names, strict=True):
+            if drop_metadata:
+                ckpt.metadata = {}
+            target = output_target(ckpt, None if output is None else str(Path(output) / name), in_place, dry_run)
+            if report_file is not None:
+                check_report(report_file, ckpt, target)
+            settings.append(clip.ClipGlobalNormOptions(output=target, in_place=in_place, selection=selection, **fields))
+        with progress_bar(2 * sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
+            result = clip.clip_global_norms(opened, settings, progress)
+    emit(result, fmt, quiet, report_file)
 
 
 @app.command(

@@ -357,6 +357,23 @@ PrefixWithFile = Annotated[
         "rows are named FILE/NAME.",
     ),
 ]
+ClipCheckpoints = Annotated[
+    list[Path],
+    typer.Argument(
+        metavar="CKPT...",
+        parser=parse_path,
+        help="The checkpoint to clip (a .safetensors, .npz, .npy or PyTorch file, a sharded index or directory); "
+        "several are clipped together with one scale, each into -o DIR/<its name>.",
+        show_default=False,
+    ),
+]
+ClipPrefixWithFile = Annotated[
+    bool,
+    typer.Option(
+        "--prefix-with-file",
+        help="With several checkpoints: they hold different tensors even where names repeat.",
+    ),
+]
 Maps = Annotated[
     list[str] | None,
     typer.Option(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,13 @@ from clipcli.core.blocks import add_power_sums
 from clipcli.core.norms import NormAccumulator, NormStats, given_norm_stats
 from clipcli.core.scale import scaled, stats_clip_scale, sums_clip_scale, tensor_clip_scale
 from clipcli.errors import CheckFailedError, UnsupportedError, UsageError, printable
-from clipcli.report.clip import ClipGlobalNormReport, ClipNormReport, ClipReport, ClipValueReport
+from clipcli.report.clip import (
+    ClipGlobalNormReport,
+    ClipGlobalNormsReport,
+    ClipNormReport,
+    ClipReport,
+    ClipValueReport,
+)
 from clipcli.report.rows import Skipped, summarize
 
 _ROW_GROUP = 1 << 18  # values clipped per step along rows
@@ -78,13 +84,17 @@ def _finish(
     m: Measured,
     after: dict[str, NormAccumulator],
     report: Callable[..., ClipReport],
+    combined_after: NormAccumulator | None = None,
     **fields: Any,
 ) -> ClipReport:
+    """The report of a clip; `combined_after`, where given, also takes in every norm after."""
     total_after = NormAccumulator(2)
     rows = []
     for r in m.rows:
         acc = after.get(r.name, m.per_tensor[r.name])
         total_after.merge(acc)
+        if combined_after is not None:
+            combined_after.merge(acc)
         stats = acc.result()
         rows.append(replace(r, norm_after=stats.norm, max_abs_after=stats.max_abs))
     return report(
@@ -118,21 +128,52 @@ def clip_global_norm(
         UsageError: when no floating tensor is selected.
         CheckFailedError: when a tensor holds NaN or Inf (unless `allow_nonfinite`).
     """
-    o = options
-    selected, skipped = select_to_clip(ckpt, o.selection)
-    m = measure(ckpt, selected, skipped, 2.0, progress, o.jobs)
-    if not o.allow_nonfinite:
-        check_nonfinite(str(ckpt.path), m.rows)
+    return clip_global_norms([ckpt], [options], progress).checkpoints[0]
+
+
+def clip_global_norms(
+    ckpts: Sequence[Checkpoint], options: Sequence[ClipGlobalNormOptions], progress: Progress = NO_PROGRESS
+) -> ClipGlobalNormsReport:
+    """`tf.clip_by_global_norm` over the selected tensors of several checkpoints together (per-rank gradient
+    files): one global norm over all of them, one common scale, each checkpoint written as its own options say
+    (they differ only in the output). Every checkpoint is measured before any is written; each output is
+    written atomically, in turn.
+
+    Raises:
+        UsageError: when a checkpoint has no floating tensor selected.
+        CheckFailedError: when a tensor holds NaN or Inf (unless `allow_nonfinite`).
+    """
+    o = options[0]
+    measured = []
+    total = NormAccumulator(2)
+    for ckpt, oc in zip(ckpts, options, strict=True):
+        selected, skipped = select_to_clip(ckpt, oc.selection)
+        m = measure(ckpt, selected, skipped, 2.0, progress, oc.jobs)
+        if not oc.allow_nonfinite:
+            check_nonfinite(str(ckpt.path), m.rows)
+        total.merge(m.total)
+        measured.append(m)
     if o.use_norm is None:
-        scale = stats_clip_scale(m.total.result(), o.clip_norm)
+        scale = stats_clip_scale(total.result(), o.clip_norm)
     else:
         # as the library's clip_by_global_norm takes it: a tiny scale keeps its bits
         scale = stats_clip_scale(given_norm_stats(o.use_norm), o.clip_norm)
-    _refuse_nan_scale(str(ckpt.path), scale, o)
-    # Chunks are the workers' own buffers: scaling them in place allocates nothing.
-    ops = {} if scale == 1.0 else {r.name: Op(lambda c: scaled(c, scale, out=c)) for r in m.rows}
-    _, after = _written(ckpt, o, ops, progress)
-    return _finish(ckpt, o, m, after, ClipGlobalNormReport, clip_norm=o.clip_norm, scale=scale)  # type: ignore[return-value]
+    _refuse_nan_scale(str(ckpts[0].path), scale, o)
+    total_after = NormAccumulator(2)
+    reports = []
+    for ckpt, oc, m in zip(ckpts, options, measured, strict=True):
+        # Chunks are the workers' own buffers: scaling them in place allocates nothing.
+        ops = {} if scale == 1.0 else {r.name: Op(lambda c: scaled(c, scale, out=c)) for r in m.rows}
+        _, after = _written(ckpt, oc, ops, progress)
+        report = _finish(ckpt, oc, m, after, ClipGlobalNormReport, total_after, clip_norm=o.clip_norm, scale=scale)
+        reports.append(report)
+    return ClipGlobalNormsReport(
+        clip_norm=o.clip_norm,
+        scale=scale,
+        global_norm=total.result().norm,
+        global_norm_after=total_after.result().norm,
+        checkpoints=tuple(reports),  # type: ignore[arg-type]
+    )
 
 
 def clip_norm(ckpt: Checkpoint, options: ClipNormOptions, progress: Progress = NO_PROGRESS) -> ClipNormReport:

@@ -101,7 +101,7 @@ def file_prefix(ckpt: Checkpoint) -> str:
     return f"{Path(ckpt.path).name}/"
 
 
-def check_distinct(ckpts: Sequence[Checkpoint], selection: Selection) -> None:
+def check_distinct(ckpts: Sequence[Checkpoint], selection: Selection, what: str = "--combined") -> None:
     """Refuses --combined over checkpoints that share a selected tensor name: the same tensor twice (replicas of
     data parallelism) would be counted twice; --prefix-with-file says they are different tensors.
 
@@ -115,9 +115,9 @@ def check_distinct(ckpts: Sequence[Checkpoint], selection: Selection) -> None:
                 continue
             if t.name in seen and seen[t.name] != str(ckpt.path):
                 raise UsageError(
-                    f"tensor {t.name!r} is in {seen[t.name]} and in {ckpt.path}: --combined would count it twice "
+                    f"tensor {t.name!r} is in {seen[t.name]} and in {ckpt.path}: {what} would count it twice "
                     "(give --prefix-with-file if they are different tensors)",
-                    param="--combined",
+                    param="--combined" if what == "--combined" else None,
                 )
             seen.setdefault(t.name, str(ckpt.path))
 

@@ -99,3 +99,44 @@ class ClipGlobalNormReport(ClipReport):
 
     def _what(self) -> str:
         return f"{self._after()} (scale {fmt(self.scale)})"
+
+
+@dataclass(frozen=True)
+class ClipGlobalNormsReport(Report):
+    """`clip-global-norm` of several checkpoints together: the global norm over all of them before and after, the
+    one scale, and each checkpoint's own report."""
+
+    command: ClassVar[str] = "clip-global-norm"
+    clip_norm: float
+    scale: float
+    global_norm: float
+    global_norm_after: float
+    checkpoints: tuple[ClipGlobalNormReport, ...]
+
+    def _json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"schema": SCHEMA, "command": self.command, "ord": 2}
+        out["combined"] = {
+            "global_norm": num(self.global_norm),
+            "clip_norm": num(self.clip_norm),
+            "scale": num(self.scale),
+            "global_norm_after": num(self.global_norm_after),
+        }
+        out["checkpoints"] = [c._json()["checkpoints"][0] for c in self.checkpoints]
+        return out
+
+    def _csv(self, w: Any) -> None:
+        w.writerow(csv_header(clip=True))
+        for c in self.checkpoints:
+            c._tensor_rows(w, clip=True)
+            row = [*c._global_row(), csv_num(c.global_norm_after), csv_num(c.summary.max_abs_after), "global"]
+            w.writerow(row)
+        combined = ["", "", "", "", csv_num(self.global_norm), "", "", "", "", csv_num(self.global_norm_after), ""]
+        w.writerow([*combined, "combined"])
+
+    def _blocks(self) -> list[list[str]]:
+        n = len(self.checkpoints)
+        head = (
+            f"{n} checkpoints combined: {norm_name(2.0)} {fmt(self.global_norm)} -> {fmt(self.global_norm_after)} "
+            f"(scale {fmt(self.scale)}, clip norm {fmt(self.clip_norm)})"
+        )
+        return [[head], *(c._blocks()[0] for c in self.checkpoints)]

@@ -856,7 +856,7 @@ def test_a_report_in_a_directory_that_is_not_writable_is_refused_first(steps, tm
         ["clip-global-norm", "missing.safetensors", "-o", "o.safetensors", "--clip-norm", "1", "--use-norm", "inf"],
         ["clip-global-norm", "missing.safetensors", "--clip-norm", "1"],
         ["clip-global-norm", "missing.safetensors", "-o", "o.safetensors", "--in-place", "--clip-norm", "1"],
-        ["clip-global-norm", "a.safetensors", "b.safetensors", "-o", "o.safetensors", "--clip-norm", "1"],
+        ["clip-global-norm", "a.safetensors", "b.safetensors", "--clip-norm", "1"],  # several: -o DIR or --in-place
         ["clip-value", "missing.safetensors", "-o", "o.safetensors", "--min", "2", "--max", "1"],
         ["clip-value", "missing.safetensors", "-o", "o.safetensors", "--min", "1"],
         ["global-norm", "missing.safetensors", "--ord", "0"],

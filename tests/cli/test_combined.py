@@ -99,3 +99,83 @@ def test_the_table_and_csv_show_the_combined_norm(ranks):
     assert csv[-1].endswith(",combined") and csv[-1].split(",")[4] == repr(
         js("global-norm", *paths, "--combined")["combined"]["global_norm"]
     )
+
+
+def test_clip_global_norm_of_several_checkpoints_scales_all_by_one_scale(ranks, tmp_path):
+    # issue 26 item 2: per-rank gradient files clipped with the scale their combined norm gives
+    from safetensors.numpy import load_file
+
+    paths, floats = ranks
+    every = [a for f in floats for a in f]
+    total = sum(Fraction(float(v)) ** 2 for a in every for v in a.ravel())
+    clip_norm = 3.0
+    out = tmp_path / "clipped"
+    report = js("clip-global-norm", *paths, "-o", out, "--clip-norm", clip_norm)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in paths)
+    combined = report["combined"]
+    assert math.isclose(combined["global_norm"], math.sqrt(total), rel_tol=1e-12)
+    assert math.isclose(combined["scale"], clip_norm / math.sqrt(total), rel_tol=1e-15)
+    assert all(c["scale"] == combined["scale"] for c in report["checkpoints"])
+    scale = combined["scale"]
+    after = Fraction(0)
+    for path in paths:
+        before, clipped = load_file(path), load_file(out / path.name)
+        assert list(before) == list(clipped)
+        for name, x in before.items():
+            y = clipped[name]
+            assert y.dtype == x.dtype and y.shape == x.shape
+            if x.dtype.kind != "f":
+                assert np.array_equal(x, y)  # the step counter passes through
+                continue
+            exact = x.astype(np.float64) * scale  # the product of two floats, rounded once to the dtype
+            ulp = np.spacing(np.abs(exact).astype(x.dtype)).astype(np.float64)
+            assert np.all(np.abs(y.astype(np.float64) - exact) <= ulp)
+            after += sum(Fraction(float(v)) ** 2 for v in y.ravel())
+    assert math.sqrt(after) <= clip_norm * (1 + 1e-6)
+    assert math.isclose(combined["global_norm_after"], math.sqrt(after), rel_tol=1e-12)
+    assert (
+        run(
+            "global-norm", *(out / p.name for p in paths), "--combined", "--fail-above", clip_norm * (1 + 1e-6)
+        ).exit_code
+        == 0
+    )
+
+
+def test_clip_of_several_refuses_clashes_twins_nan_and_a_missing_output(tmp_path):
+    a = write_st(tmp_path / "a.safetensors", {"w": np.ones(3, F32)})
+    b = write_st(tmp_path / "b.safetensors", {"w": np.full(4, 2, F32)})
+    out = tmp_path / "out"
+    clash = run("clip-global-norm", a, b, "-o", out, "--clip-norm", "1")
+    assert clash.exit_code == 2 and "'w' is in" in clash.output and not out.exists()
+    done = js("clip-global-norm", a, b, "-o", out, "--clip-norm", "1", "--prefix-with-file")
+    assert done["combined"]["global_norm"] == math.sqrt(3 + 16) and sorted(p.name for p in out.iterdir()) == [
+        "a.safetensors",
+        "b.safetensors",
+    ]
+    (tmp_path / "twin").mkdir()
+    twin = write_st(tmp_path / "twin" / "a.safetensors", {"v": np.ones(2, F32)})
+    same_name = run("clip-global-norm", a, twin, "-o", tmp_path / "o2", "--clip-norm", "1")
+    assert same_name.exit_code == 2 and "two checkpoints are named 'a.safetensors'" in same_name.output
+    nan = write_st(tmp_path / "nan.safetensors", {"u": np.array([1.0, np.nan], F32)})
+    refused = run("clip-global-norm", a, nan, "-o", tmp_path / "o3", "--clip-norm", "1")
+    assert refused.exit_code == 1 and "NaN" in refused.output
+    assert not any((tmp_path / "o3").glob("*"))  # measured first: nothing written
+    missing = run("clip-global-norm", a, nan, "--clip-norm", "1")
+    assert missing.exit_code == 2 and "-o DIR" in missing.output
+
+
+def test_clip_of_several_in_place_and_jobs_give_the_same_bytes(ranks, tmp_path):
+    import shutil
+
+    paths, _ = ranks
+    outs = []
+    for jobs in ("1", "2"):
+        d = tmp_path / f"in-place-{jobs}"
+        d.mkdir()
+        copies = [shutil.copy(p, d / p.name) for p in paths]
+        run("clip-global-norm", *copies, "--in-place", "--clip-norm", "2", "--jobs", jobs, "-q")
+        outs.append([(d / p.name).read_bytes() for p in paths])
+    assert outs[0] == outs[1] and outs[0] != [p.read_bytes() for p in paths]
+    other = tmp_path / "o"
+    run("clip-global-norm", *paths, "-o", other, "--clip-norm", "2", "-q")
+    assert [(other / p.name).read_bytes() for p in paths] == outs[0]

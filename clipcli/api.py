@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from clipcli.report.hash import HashReport
     from clipcli.report.listing import ConvertReport, InspectReport
     from clipcli.report.norms import NormReport
+    from clipcli.report.trajectory import TrajectoryReport
 
 PathLike = str | os.PathLike[str]
 
@@ -363,6 +364,23 @@ def convert_of(
             sort=sort, top=top, jobs=workers(jobs),
         )  # fmt: skip
         return convert(ckpt, options)
+
+
+def trajectory_of(
+    *paths: PathLike,
+    depth: int | None = None,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    jobs: int | None = None,
+    keep_order: bool = False,
+) -> TrajectoryReport:
+    """`clipcli trajectory PATHS...`: each checkpoint's global norm and hash and how far it moved from the previous
+    (`report.identical`: the checkpoints identical to the one before them)."""
+    from clipcli.commands.passes import workers
+    from clipcli.commands.trajectory import TrajectoryOptions, trajectory
+
+    options = TrajectoryOptions(_selection(include, exclude), depth, workers(jobs), keep_order)
+    return trajectory(paths, options)
 
 
 def hash_of(

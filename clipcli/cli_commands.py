@@ -449,3 +449,52 @@ def convert(
             with progress_bar(sum(t.nbytes for t in ckpt.tensors), quiet) as progress:
                 report = command.convert(ckpt, options, progress)
         emit(report, fmt, quiet, report_file)
+
+
+@app.command(
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli trajectory run/step-*.safetensors",
+        "clipcli trajectory run/step-* --depth 3 --format csv > layers.csv",
+        "clipcli trajectory run/step-*.safetensors --plot trajectory.png",
+    ),
+)
+def trajectory(
+    checkpoints: opts.Checkpoints,
+    depth: opts.Depth = None,
+    plot: opts.Plot = None,
+    keep_order: opts.KeepOrder = False,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """A run's checkpoints, step by step: each one's global norm and, against the previous one, |Δ|, the relative
+    change and the cosine, plus the cosine to the first; checkpoints identical to the previous one (the same
+    content hashes) are flagged.
+
+    The checkpoints are taken in natural order of their names (step-200 before step-1000), or as given with
+    --keep-order; the step is the last number in a name. --plot FILE.png|.svg draws the trajectory (needs
+    matplotlib: pip install 'clipcli[plot]').
+    """
+    with handled_errors(debug, "trajectory"):
+        from clipcli.checkpoint.atomic import atomic_write
+        from clipcli.commands import trajectory as command
+
+        if plot is not None:
+            from clipcli.report.plot import FORMATS
+
+            if plot.suffix.lower() not in FORMATS:
+                opts.usage(f"draws .png or .svg files, not {plot.suffix or 'a file without a suffix'}", "--plot")
+        selection = selection_of(include, exclude)
+        options = command.TrajectoryOptions(selection, depth, worker_count(jobs), keep_order)
+        report = command.trajectory(checkpoints, options)
+        if plot is not None:
+            from clipcli.report.plot import figure_bytes
+
+            figure = figure_bytes(report, plot.suffix)
+            with atomic_write(plot) as f:
+                f.write(figure)
+        emit(report, fmt, quiet)

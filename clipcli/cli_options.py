@@ -374,6 +374,19 @@ ClipPrefixWithFile = Annotated[
         help="With several checkpoints: they hold different tensors even where names repeat.",
     ),
 ]
+Plot = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        metavar="FILE",
+        parser=parse_path,
+        help="Also draw the trajectory into FILE.png or FILE.svg (needs matplotlib: pip install 'clipcli[plot]').",
+    ),
+]
+KeepOrder = Annotated[
+    bool,
+    typer.Option("--keep-order", help="Take the checkpoints in the order given, not in natural order of their names."),
+]
 Maps = Annotated[
     list[str] | None,
     typer.Option(

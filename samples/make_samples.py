@@ -6,6 +6,8 @@
 - sharded/: the same tensors split over two shards with a Hugging Face `model.safetensors.index.json`.
 - weights-step-1000.safetensors, weights-step-2000.safetensors: the weights of the same tiny model at two
   steps of a run (step 2000: every weight moved a little, layer 1's most, and the embeddings not at all).
+- run/step-*.safetensors: the same model at steps 500, 1000, 1500, 2000 and 10000, for `trajectory`; step
+  1500 is a byte-identical copy of step 1000 (the accident `trajectory` flags).
 - pytorch_model.bin: the gradients as `torch.save` writes them (made with real torch when it is installed:
   `pip install torch`; without torch the committed file is kept as it is).
 
@@ -16,6 +18,7 @@ header, data), independently of clipcli's own writer.
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import zipfile
 from pathlib import Path
@@ -128,6 +131,12 @@ def main() -> None:
 
     for step in (1000, 2000):
         write_safetensors(HERE / f"weights-step-{step}.safetensors", weights(step), {"step": str(step)})
+    run = HERE / "run"
+    run.mkdir(exist_ok=True)
+    for step in (500, 1000, 2000, 10000):
+        write_safetensors(run / f"step-{step}.safetensors", weights(step), {"step": str(step)})
+    # the classic accident: a step saved as a byte-identical copy of the one before it
+    shutil.copyfile(run / "step-1000.safetensors", run / "step-1500.safetensors")
     write_pytorch(HERE / "pytorch_model.bin", tensors)
 
 

@@ -328,5 +328,5 @@ def _diff_groups(
     out = []
     for key, acc in totals.items():
         s = acc.result()
-        out.append(DiffGroup(key, counts[key], s.diff_norm, s.norm_a, s.rel, acc.share_of(total)))
+        out.append(DiffGroup(key, counts[key], s.diff_norm, s.norm_a, s.rel, acc.share_of(total), s.norm_b, s.cosine))
     return out

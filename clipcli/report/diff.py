@@ -62,6 +62,8 @@ class DiffGroup:
     norm_a: float
     rel: float | None
     share: float | None
+    norm_b: float = math.nan
+    cosine: float | None = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,7 @@ class DiffReport(Report):
         name = symbols("‖A−B‖" if self.ord == 2 else f"‖A−B‖{ord_value(self.ord)}")
         identical = sum(r.identical for r in self.tensors)
         head = f"{self.a} -> {self.b}: {name} {fmt(s.diff_norm)}"
-        head += f" (rel {_percent(s.rel)}, cosine {_cosine(s.cosine)}) over {plural(len(self.tensors), 'tensor')}"
+        head += f" (rel {percent(s.rel)}, cosine {cosine_text(s.cosine)}) over {plural(len(self.tensors), 'tensor')}"
         head += f", {identical:,} identical" if identical else ""
         lines = [head]
         different = [r for r in self.shown if not r.identical]
@@ -234,8 +236,8 @@ class DiffReport(Report):
             for r in different:
                 dtype = r.dtype_a if r.dtype_a == r.dtype_b else f"{r.dtype_a}/{r.dtype_b}"
                 rows.append([
-                    r.name, dtype, shape_text(r.shape), fmt(r.norm_a), fmt(r.diff_norm), _percent(r.rel),
-                    share_bar(r.share), _cosine(r.cosine), fmt(r.max_abs_diff), f"{r.changed:,}",
+                    r.name, dtype, shape_text(r.shape), fmt(r.norm_a), fmt(r.diff_norm), percent(r.rel),
+                    share_bar(r.share), cosine_text(r.cosine), fmt(r.max_abs_diff), f"{r.changed:,}",
                 ])  # fmt: skip
             lines += table(headers, rows, right=(3, 4, 5, 7, 8, 9))
         if hidden > 0:
@@ -247,7 +249,7 @@ class DiffReport(Report):
             lines.append(f"{plural(identical, 'tensor')} identical, bit for bit{listed}")
         if self.groups is not None:
             rows = (
-                [g.name, f"{g.tensors:,}", fmt(g.norm_a), fmt(g.diff_norm), _percent(g.rel), share_bar(g.share)]
+                [g.name, f"{g.tensors:,}", fmt(g.norm_a), fmt(g.diff_norm), percent(g.rel), share_bar(g.share)]
                 for g in self.groups
             )
             lines += showing(len(self.groups), self.group_count, "group")
@@ -273,7 +275,7 @@ def _over(value: float, limit: float) -> bool:
     return not (math.isfinite(value) and value <= limit)
 
 
-def _percent(x: float | None) -> str:
+def percent(x: float | None) -> str:
     if x is None:
         return "-"
     if not math.isfinite(x):
@@ -281,7 +283,7 @@ def _percent(x: float | None) -> str:
     return f"{x * 100:.3g}%"
 
 
-def _cosine(c: float | None) -> str:
+def cosine_text(c: float | None) -> str:
     """A cosine; one close to 1 as 1-ε, so nearly parallel tensors still read apart."""
     if c is None or not math.isfinite(c) or c < 0.9999 or c == 1.0:
         return fmt(c)

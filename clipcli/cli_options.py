@@ -4,6 +4,7 @@
 
 import importlib.util
 import math
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -260,8 +261,18 @@ def _completion(ctx: typer.Context, param: Any, value: str | None) -> None:
         return
     from typer import completion
 
+    shell = value or _current_shell()
+    if not shell:  # no shell among the parents (a container's entry point, a job runner): say which to name
+        usage("cannot tell the current shell; name one: bash, zsh, fish, powershell or pwsh", f"--{param.name}")
     callback = completion.show_callback if param.name == "show_completion" else completion.install_callback
-    callback(ctx, param, value or True)  # True: Typer finds the current shell
+    callback(ctx, param, shell)
+
+
+def _current_shell() -> str | None:
+    """The shell clipcli runs in, as Typer finds it among the parent processes, else $SHELL's name."""
+    from typer._completion_shared import _get_shell_name
+
+    return _get_shell_name() or os.path.basename(os.environ.get("SHELL", "")) or None
 
 
 def completion_option(name: str, what: str) -> Any:

@@ -547,3 +547,16 @@ def test_a_path_starting_with_a_dash_is_shown_as_typed(grads, tmp_path, monkeypa
     assert gate.returncode == 1 and one_error_line(gate.stderr).startswith("clipcli: error: ./-x.safetensors: ")
     diff = clipcli("diff", "./-x.safetensors", grads)
     assert diff.stdout.startswith(f"./-x.safetensors -> {grads}: ")
+
+
+def test_show_completion_without_a_shell_to_find_uses_shell_or_says_what_to_name(monkeypatch):
+    # found running the suite from a detached job: no shell among the parents gave "Shell  not supported." (1)
+    import typer._completion_shared as shared
+
+    from tests.helpers import ENV, run
+
+    monkeypatch.setattr(shared, "_get_shell_name", lambda: None)
+    fish = run("--show-completion", env={**ENV, "SHELL": "/usr/bin/fish"})
+    assert fish.exit_code == 0 and fish.stdout.startswith("complete --command clipcli")
+    none = run("--show-completion", env={**{k: v for k, v in ENV.items() if k != "SHELL"}, "SHELL": ""})
+    assert none.exit_code == 2 and "cannot tell the current shell; name one: bash, zsh" in none.output

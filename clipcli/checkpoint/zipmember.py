@@ -201,11 +201,14 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-def crc_findings(path: Path, store: Store, tensor_of: Callable[[str], str | None] = lambda m: None) -> list[Finding]:
+def crc_findings(
+    path: Path, store: Store, tensor_of: Callable[[str], str | None] = lambda m: None, zero_is_none: bool = False
+) -> list[Finding]:
     """Each member of a zip whose bytes do not match their CRC-32 (`crc`) or cannot be read whole (`zip-member`),
     every member read through once (decompressed no further than the size the zip directory declares); the
-    tensor a member holds is `tensor_of(member name)`. [] for an archive zipfile cannot open (what opening the
-    checkpoint says of it is the finding)."""
+    tensor a member holds is `tensor_of(member name)`. With `zero_is_none`, a stored member whose CRC-32 is
+    recorded as 0 has none to check (torch.save's `compute_crc32 = False`). [] for an archive zipfile cannot
+    open (what opening the checkpoint says of it is the finding)."""
     out = []
     with store.open(path) as raw:
         try:
@@ -215,6 +218,8 @@ def crc_findings(path: Path, store: Store, tensor_of: Callable[[str], str | None
         buffer = bytearray(1 << 20)
         with z:
             for member in z.infolist():
+                if zero_is_none and member.CRC == 0 and member.compress_type == zipfile.ZIP_STORED:
+                    continue
                 try:
                     with MemberStream(raw, member, data_start(raw, member)) as stream:
                         while stream.readinto(buffer):

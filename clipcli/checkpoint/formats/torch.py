@@ -463,8 +463,9 @@ def _describe_head(head: bytes) -> str | None:
 
 def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     """What opening a PyTorch file refuses (its first defect) or, for a zip (torch.save's format since 1.6) that
-    opens, each member whose bytes do not match their CRC-32 (read through: the pickle and every storage)."""
-    return refusals(open_file, path, store) or crc_findings(path, store)
+    opens, each member whose bytes do not match their CRC-32 (read through: the pickle and every storage; none
+    where torch recorded each as 0, as `_read_member` reads them)."""
+    return refusals(open_file, path, store) or crc_findings(path, store, zero_is_none=True)
 
 
 FORMAT = Format(

@@ -312,7 +312,7 @@ def _what(offsets: tuple[int, ...] | None) -> str:
 class _Files:
     """The bytes `storage_data` points at: files checked once each, byte ranges read once each."""
 
-    def __init__(self, directory: Path, locations: _Locations, where: Path, store: Store):
+    def __init__(self, directory: Path, locations: _Locations, where: Path, store: Store, collect: bool = False):
         self.directory = directory
         self.store = store
         self.locations = locations
@@ -324,7 +324,8 @@ class _Files:
         self.read: dict[tuple[str, int, int], tuple[str, dict[str, str], list[TorchTensor]]] = {}
         # names that answers given again may make: as many as the metadata's size justifies
         self.renames = _RENAMES + 4 * len(locations)
-        self.used: list[tuple[str, tuple[int, ...] | None, _Location]] = []  # each chunk and item looked up, in order
+        # with `collect` (for `findings`), each chunk and item looked up, in order
+        self.used: list[tuple[str, tuple[int, ...] | None, _Location]] | None = [] if collect else None
 
     def item(self, fqn: str) -> tuple[dict[str, str], list[DcpTensor]]:
         """The metadata and tensors of one non-tensor item: a torch.save file of any object."""
@@ -370,7 +371,8 @@ class _Files:
             raise MalformedError(
                 f"the {_what(offsets)} is not in storage_data: nothing says where it lies", self.where, fqn
             )
-        self.used.append((fqn, offsets, location))
+        if self.used is not None:
+            self.used.append((fqn, offsets, location))
         path, size = self._file(location.relative_path, fqn)
         start, end = location.offset, location.offset + location.length
         if end > size:
@@ -534,7 +536,7 @@ def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
         root = _read_metadata(where, store)
         _check_version(root)
         items = _state_dict_items(root)
-        files = _Files(directory, _locations(root), where, store)
+        files = _Files(directory, _locations(root), where, store, collect=True)
     except MalformedError as e:
         return [Finding.of(e, "metadata", where)]
     out = []
@@ -548,7 +550,7 @@ def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
             out.append(Finding.of(e, "missing-file", where))
         except MalformedError as e:
             out.append(Finding.of(e, file=where))
-    return out + _shared_regions(directory, files.used)
+    return out + _shared_regions(directory, files.used or [])
 
 
 def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | None, _Location]]) -> list[Finding]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -335,3 +336,32 @@ def test_no_tensor_data_is_read(tmp_path: Path, kind: str) -> None:
     store = CountingStore()
     assert find_defects(path, store)[1] == []
     assert 0 < store.counter[0] < 3 * 4096 * 11  # a few buffers' worth per file (of 200 kB of values each)
+
+
+# -- files real torch writes (skipped without torch) -----------------------------------------------------------
+
+
+def test_torch_save_then_a_flipped_storage_byte(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3)}, path)
+    assert find_defects(path)[1] == []
+    with zipfile.ZipFile(path) as z:
+        storage = next(i.filename for i in z.infolist() if "/data/" in i.filename and i.file_size == 4000)
+    flip(path, storage)
+    found = find_defects(path)[1]
+    assert [(f.kind, storage in f.problem) for f in found] == [("crc", True)]
+
+
+def test_torch_dcp_save_then_a_missing_file(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path / "dcp"
+    with warnings.catch_warnings():  # torch warns that it saves in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2)}, checkpoint_id=str(d))
+    assert find_defects(d) == ("distcp", [])
+    for f in d.glob("*.distcp"):
+        f.unlink()
+    assert sorted((f.tensor, f.kind) for f in find_defects(d)[1]) == [("b", "missing-file"), ("w", "missing-file")]

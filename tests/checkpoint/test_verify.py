@@ -192,6 +192,15 @@ def test_a_directory_of_shards_without_index_holding_a_tensor_twice(tmp_path: Pa
     assert kinds(d) == [(None, "trailing-bytes"), ("w", "duplicate")]
 
 
+def test_an_empty_file_among_loose_shards_is_a_finding(tmp_path: Path) -> None:
+    # found trying it: an empty .safetensors beside the others ended verify with status 3, as if none was there
+    d = tmp_path / "loose"
+    d.mkdir()
+    save_file({"w": W}, str(d / "a.safetensors"))
+    (d / "b.safetensors").write_bytes(b"")
+    assert kinds(d) == [(None, "bad-shard")]
+
+
 def test_a_malformed_index(tmp_path: Path) -> None:
     d = sharded(tmp_path / "s", {"a.safetensors": {"w": W}})
     (d / "m.safetensors.index.json").write_text("{not json")

@@ -203,7 +203,7 @@ def _directory_findings(directory: Path, store: Store) -> list[Finding]:
     out: list[Finding] = []
     holders: dict[str, list[str]] = {}
     for shard in shards:
-        found = _safetensors.findings(shard, store)
+        found = _shard_defects(_safetensors.FORMAT, shard, store)
         out += found
         if not found:
             for t in _safetensors.open_file(shard, store)[1]:

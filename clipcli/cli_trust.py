@@ -2,6 +2,8 @@
 
 # No `from __future__ import annotations` here: Typer reads the commands' annotations at every run.
 
+from pathlib import Path
+
 from clipcli import cli_options as opts
 from clipcli.cli_app import app, exit_on_gate, handled_errors, selection_of, worker_count
 from clipcli.cli_output import emit
@@ -88,7 +90,19 @@ def verify(
         options = command.VerifyOptions(
             manifest and command.read_manifest(manifest), values, selection_of(include, exclude), worker_count(jobs)
         )
-        with progress_bar(0, quiet) as progress:
+        reads = manifest is not None or values  # the structure alone takes milliseconds: no bar
+        with progress_bar(_bytes_in(checkpoint) if reads else 0, quiet) as progress:
             report = command.verify(checkpoint, options, progress)
         emit(report, fmt, quiet)
         exit_on_gate(command.failure(report))
+
+
+def _bytes_in(path: Path) -> int:
+    """The bytes of a file, or of the files in a directory (and one level below), 0 where it cannot tell: what
+    decides whether a pass is long enough for a progress bar."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in [*path.iterdir(), *path.glob("*/*")] if p.is_file())
+    except OSError:
+        return 0

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from clipcli.report.listing import ConvertReport, InspectReport
     from clipcli.report.norms import NormReport
     from clipcli.report.trajectory import TrajectoryReport
+    from clipcli.report.verify import VerifyReport
 
 PathLike = str | os.PathLike[str]
 
@@ -404,6 +405,28 @@ def hash_of(
         with open_checkpoint(path) as ckpt:
             hashed.append(hash_checkpoint(ckpt, options))
     return HashReport(tuple(hashed))
+
+
+def verify_of(
+    path: PathLike,
+    *,
+    manifest: PathLike | None = None,
+    values: bool = False,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    jobs: int | None = None,
+) -> VerifyReport:
+    """`clipcli verify PATH`: every defect of the checkpoint's structure, and with `manifest` (a file of
+    `clipcli hash --format json`) its differences from it, with `values` its NaN, Inf and all-zero floating
+    tensors. `report.ok` is True where nothing was found (where the command line exits 0; 1 otherwise), and
+    `report.problems` lists what was."""
+    from clipcli.commands.passes import workers
+    from clipcli.commands.verify import VerifyOptions, read_manifest, verify
+
+    options = VerifyOptions(
+        None if manifest is None else read_manifest(manifest), values, _selection(include, exclude), workers(jobs)
+    )
+    return verify(path, options)
 
 
 def failures(

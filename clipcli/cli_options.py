@@ -432,3 +432,24 @@ MaxShardSize = Annotated[
     ),
 ]
 DiffB = Annotated[Path, typer.Argument(metavar="B", parser=parse_path, help="The checkpoint compared with A.")]
+VerifyCheckpoint = Annotated[
+    Path,
+    typer.Argument(
+        metavar="CKPT",
+        parser=parse_path,
+        help="The checkpoint to verify (a file, a sharded index or directory, a distributed checkpoint).",
+        show_default=False,
+    ),
+]
+Manifest = Annotated[
+    Path | None,
+    typer.Option(
+        "--manifest",
+        metavar="FILE",
+        parser=parse_path,
+        help="Compare every tensor's content hash with this manifest (`clipcli hash CKPT --format json`).",
+    ),
+]
+Values = Annotated[
+    bool, typer.Option("--values", help="Also read the values: NaN, Inf and all-zero floating tensors are findings.")
+]

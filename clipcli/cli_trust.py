@@ -1,9 +1,11 @@
-"""The commands that answer "can I trust this checkpoint?": hash (and stats, verify)."""
+"""The commands that answer "can I trust this checkpoint?": hash, verify (and stats)."""
 
 # No `from __future__ import annotations` here: Typer reads the commands' annotations at every run.
 
+from pathlib import Path
+
 from clipcli import cli_options as opts
-from clipcli.cli_app import app, handled_errors, selection_of, worker_count
+from clipcli.cli_app import app, exit_on_gate, handled_errors, selection_of, worker_count
 from clipcli.cli_output import emit
 from clipcli.cli_output import progress as progress_bar
 
@@ -49,3 +51,58 @@ def hash_(
                 with ckpt:
                     hashed.append(command.hash_checkpoint(ckpt, options, progress))
         emit(HashReport(tuple(hashed)), fmt, quiet)
+
+
+@app.command(
+    "verify",
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli verify shards/",
+        "clipcli verify model.safetensors --manifest manifest.json",
+        "clipcli verify model.safetensors --values --format json",
+    ),
+)
+def verify(
+    checkpoint: opts.VerifyCheckpoint,
+    manifest: opts.Manifest = None,
+    values: opts.Values = False,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """Checks a checkpoint whole: its structure from headers and sizes (every shard an index names present and
+    complete, no stray shard, tensors where the index says, offsets without gaps or overlaps, nothing truncated,
+    zip members' CRCs, DCP chunks covering every tensor once), with --manifest every tensor's content hash
+    against `clipcli hash --format json` of the original (missing, extra and changed tensors), with --values
+    NaN, Inf and all-zero floating tensors.
+
+    Exit status: 0 nothing found; 1 a defect or a difference found (all listed), including a checkpoint too
+    malformed to open; 3 nothing to verify: the path is missing or unreadable, or no checkpoint of a format clipcli
+    knows (or one it cannot read, such as an unsupported dtype). --include/--exclude choose the tensors --manifest
+    and --values check.
+    """
+    with handled_errors(debug, "verify"):
+        from clipcli.commands import verify as command
+
+        options = command.VerifyOptions(
+            manifest and command.read_manifest(manifest), values, selection_of(include, exclude), worker_count(jobs)
+        )
+        reads = manifest is not None or values  # the structure alone takes milliseconds: no bar
+        with progress_bar(_bytes_in(checkpoint) if reads else 0, quiet) as progress:
+            report = command.verify(checkpoint, options, progress)
+        emit(report, fmt, quiet)
+        exit_on_gate(command.failure(report))
+
+
+def _bytes_in(path: Path) -> int:
+    """The bytes of a file, or of the files in a directory (and one level below), 0 where it cannot tell: what
+    decides whether a pass is long enough for a progress bar."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in [*path.iterdir(), *path.glob("*/*")] if p.is_file())
+    except OSError:
+        return 0

@@ -5,7 +5,7 @@ A format is a module under `formats/` ending with its `FORMAT` record (`plugin.F
 `source` (where bytes come from: a `Store` of files, each a `Source` of ranged reads), `reader` (an open
 checkpoint), `decode` (bytes to values), `engine` and `workers` (work over chunks by N workers), `write`
 (plans, checks and writes), `atomic` (the one way a file is written), `crc` and `zipmember` (zip members
-read in parts or as streams).
+read in parts or as streams), `defects` (what `verify` finds wrong, by each format's `findings`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 
 from clipcli.checkpoint.atomic import atomic_write
 from clipcli.checkpoint.decode import as_values, decode
+from clipcli.checkpoint.defects import find_defects
 from clipcli.checkpoint.engine import CHUNK_BYTES, map_chunks, pair_values, run, run_pairs
-from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.plugin import Finding, Format, Opened
 from clipcli.checkpoint.reader import MAX_NUMPY_DIMS, Checkpoint, c_order, open_checkpoint
 from clipcli.checkpoint.registry import register
 from clipcli.checkpoint.tensor import TensorInfo
@@ -38,6 +39,7 @@ __all__ = [
     "MAX_LZMA_DICTIONARY",
     "MAX_NUMPY_DIMS",
     "Checkpoint",
+    "Finding",
     "Format",
     "Opened",
     "Place",
@@ -53,6 +55,7 @@ __all__ = [
     "check_plan",
     "check_report",
     "decode",
+    "find_defects",
     "map_chunks",
     "open_checkpoint",
     "output_kind",

@@ -11,9 +11,45 @@ import numpy as np
 
 from clipcli.checkpoint.source import Store
 from clipcli.checkpoint.tensor import TensorInfo
+from clipcli.errors import ClipcliError, MalformedError
 
 Chunks = Callable[[TensorInfo], Iterable[np.ndarray]]
 Expect = Callable[[TensorInfo, int], None]
+
+
+class Finding(NamedTuple):
+    """A defect `verify` found in a checkpoint: the file it is in, the tensor it concerns (None: the file's),
+    a stable short code of its kind (`gap`, `missing-shard`, `crc`, ...) and what is wrong, in words."""
+
+    file: str
+    tensor: str | None
+    kind: str
+    problem: str
+
+    @classmethod
+    def of(cls, error: ClipcliError, kind: str = "malformed", file: str | Path | None = None) -> Finding:
+        """The finding an error states: its kind the error's own (see `defect`) or `kind`, its file the error's
+        or `file`."""
+        where = error.path if error.path is not None else file
+        return cls(str(where or ""), error.tensor, getattr(error, "kind", kind), error.message)
+
+
+def defect(kind: str, message: str, path: str | Path | None = None, tensor: str | None = None) -> MalformedError:
+    """A MalformedError that names its kind of defect (its `kind`, as a `Finding`'s): `open` raises the first one
+    it meets, a format's `findings` lists each."""
+    error = MalformedError(message, path, tensor)
+    error.kind = kind  # type: ignore[attr-defined]  # kept across processes (ClipcliError.__reduce__)
+    return error
+
+
+def refusals(open_: Callable[[Path, Store], Any], path: Path, store: Store) -> list[Finding]:
+    """What opening `path` with `open_` (a format's `open_file` or `open`) refuses as malformed, as findings: the
+    one finding of a format whose reader stops at the first defect; [] when it opens."""
+    try:
+        open_(path, store)
+    except MalformedError as e:
+        return [Finding.of(e, file=path)]
+    return []
 
 
 class Plan(NamedTuple):
@@ -98,7 +134,9 @@ class Format:
     `check_file` refuse, before anything is written, what it cannot hold (raising UnsupportedError).
     `c_order` says it holds values in C order only; `layout_keys`, the metadata keys that say how a file was
     written, not what it holds; `directory_writer`, how it writes a directory of files, where it does;
-    `plural`, what messages call its files.
+    `plural`, what messages call its files. `findings` (for `verify`) lists every defect it sees in a file or
+    directory from headers and sizes (zip members' CRCs aside), where `open` raises on the first; a format
+    without it is checked by opening it (`refusals`).
     """
 
     name: str
@@ -116,3 +154,13 @@ class Format:
     layout_keys: frozenset[str] = frozenset()
     directory_writer: DirectoryWriter | None = None
     plural: str = ""  # what messages call its files ("PyTorch files"); "" is "<name> files"
+    findings: Callable[[Path, Store], list[Finding]] | None = None
+
+    def defects(self, path: Path, store: Store) -> list[Finding]:
+        """Every defect `findings` sees in a file or directory of this format or, without it, what opening it
+        refuses (its first defect); [] for none."""
+        if self.findings is not None:
+            return self.findings(path, store)
+        opener = self.open if self.open is not None else self.open_file
+        assert opener is not None
+        return refusals(opener, path, store)

@@ -296,6 +296,17 @@ def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) ->
     Raises:
         MissingFileError, FileTypeError, MalformedError, UnsupportedError: as the input deserves.
     """
+    return at_path(path, store, lambda p, s: _checked_text(_open(p, s)))
+
+
+def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[[Path, Store], R]) -> R:
+    """`action(path, store)` once the path is known to exist and be a file or directory, its errors naming
+    the path (an OSError as the system names it: the shard or the directory without permission).
+
+    Raises:
+        MissingFileError, FileTypeError, InputError: for a path that is missing, `-` or not a regular file;
+            what `action` raises.
+    """
     path = Path(path)
     if os.fspath(path) == "-":
         raise FileTypeError("clipcli reads checkpoints from files, not from standard input; save it to a file", path)
@@ -309,12 +320,12 @@ def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) ->
                 "not a regular file (a pipe or a device?): clipcli reads checkpoints in place; save it to a file first",
                 path,
             )
-        return _checked_text(_open(path, store))
+        return action(path, store)
     except ClipcliError as e:
         if e.path is None:
             e.path = str(path)
         raise
-    except OSError as e:  # named as the system names it: the shard or the directory without permission
+    except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", e.filename or path) from e
 
 

@@ -129,17 +129,31 @@ def _is_text(head: bytes) -> bool:
 
 
 def open_path(path: Path, store: Store = LOCAL) -> Opened:
-    """The checkpoint at an existing path: a directory by the first directory format that recognises it, a
-    file by its suffix or, without one clipcli knows, by its first bytes.
+    """The checkpoint at an existing path, opened by its format (`format_of`).
 
     Raises:
         FileTypeError: for a file of no known format; what the format's reader raises.
+    """
+    fmt = format_of(path, store)
+    if fmt.open is not None:
+        return fmt.open(path, store)
+    assert fmt.open_file is not None
+    metadata, tensors = fmt.open_file(path, store)
+    return Opened(metadata, tensors, [path], fmt.name, layout_keys=fmt.layout_keys)
+
+
+def format_of(path: Path, store: Store = LOCAL) -> Format:
+    """The format of an existing path: of a directory, the first directory format that recognises it; of a
+    file, the format its suffix names or, without one clipcli knows, its first bytes show.
+
+    Raises:
+        FileTypeError: for a file of no known format.
     """
     if store.kind(path) == "directory":
         for name in _DIRECTORIES:
             fmt = get(name)
             if fmt.recognises is not None and fmt.open is not None and fmt.recognises(path, store):
-                return fmt.open(path, store)
+                return fmt
     name = named_by(path.name)
     if name is None:  # no suffix clipcli knows: the first bytes tell
         name = file_format(path, store)
@@ -150,12 +164,7 @@ def open_path(path: Path, store: Store = LOCAL) -> Opened:
                 f"{describe(read_head(path, store))}",
                 path,
             )
-    fmt = get(name)
-    if fmt.open is not None:
-        return fmt.open(path, store)
-    assert fmt.open_file is not None
-    metadata, tensors = fmt.open_file(path, store)
-    return Opened(metadata, tensors, [path], fmt.name, layout_keys=fmt.layout_keys)
+    return get(name)
 
 
 def directory_writer() -> DirectoryWriter:

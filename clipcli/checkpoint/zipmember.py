@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from clipcli.checkpoint.plugin import Finding
 from clipcli.checkpoint.source import Store, pread_of
 from clipcli.checkpoint.tensor import ZipMember
 from clipcli.errors import MalformedError, UnsupportedError
@@ -198,3 +199,34 @@ def zip_data_start(read: Callable[[int, int], bytes], info: Any) -> int | None:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def crc_findings(
+    path: Path, store: Store, tensor_of: Callable[[str], str | None] = lambda m: None, zero_is_none: bool = False
+) -> list[Finding]:
+    """Each member of a zip whose bytes do not match their CRC-32 (`crc`) or cannot be read whole (`zip-member`),
+    every member read through once (decompressed no further than the size the zip directory declares); the
+    tensor a member holds is `tensor_of(member name)`. With `zero_is_none`, a stored member whose CRC-32 is
+    recorded as 0 has none to check (torch.save's `compute_crc32 = False`). [] for an archive zipfile cannot
+    open (what opening the checkpoint says of it is the finding)."""
+    out = []
+    with store.open(path) as raw:
+        try:
+            z = zipfile.ZipFile(raw)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            return []
+        buffer = bytearray(1 << 20)
+        with z:
+            for member in z.infolist():
+                if zero_is_none and member.CRC == 0 and member.compress_type == zipfile.ZIP_STORED:
+                    continue
+                try:
+                    with MemberStream(raw, member, data_start(raw, member)) as stream:
+                        while stream.readinto(buffer):
+                            pass
+                except (*DATA_ERRORS, MalformedError, UnsupportedError, NotImplementedError, ValueError) as e:
+                    text = e.message if isinstance(e, MalformedError | UnsupportedError) else _one_line(e)
+                    kind = "crc" if "CRC" in text else "zip-member"
+                    problem = f"member {member.filename}: {text}"
+                    out.append(Finding(str(path), tensor_of(member.filename), kind, problem))
+    return out

@@ -57,7 +57,7 @@ from clipcli.checkpoint.formats.torch import (
     read_torch,
     view_byte_range,
 )
-from clipcli.checkpoint.plugin import Format, Opened
+from clipcli.checkpoint.plugin import Finding, Format, Opened, defect
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Piece, Pieces, TensorInfo, check_elements
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
@@ -312,7 +312,7 @@ def _what(offsets: tuple[int, ...] | None) -> str:
 class _Files:
     """The bytes `storage_data` points at: files checked once each, byte ranges read once each."""
 
-    def __init__(self, directory: Path, locations: _Locations, where: Path, store: Store):
+    def __init__(self, directory: Path, locations: _Locations, where: Path, store: Store, collect: bool = False):
         self.directory = directory
         self.store = store
         self.locations = locations
@@ -324,6 +324,8 @@ class _Files:
         self.read: dict[tuple[str, int, int], tuple[str, dict[str, str], list[TorchTensor]]] = {}
         # names that answers given again may make: as many as the metadata's size justifies
         self.renames = _RENAMES + 4 * len(locations)
+        # with `collect` (for `findings`), each chunk and item looked up, in order
+        self.used: list[tuple[str, tuple[int, ...] | None, _Location]] | None = [] if collect else None
 
     def item(self, fqn: str) -> tuple[dict[str, str], list[DcpTensor]]:
         """The metadata and tensors of one non-tensor item: a torch.save file of any object."""
@@ -369,11 +371,16 @@ class _Files:
             raise MalformedError(
                 f"the {_what(offsets)} is not in storage_data: nothing says where it lies", self.where, fqn
             )
+        if self.used is not None:
+            self.used.append((fqn, offsets, location))
         path, size = self._file(location.relative_path, fqn)
         start, end = location.offset, location.offset + location.length
         if end > size:
-            raise MalformedError(
-                f"the {_what(offsets)} lies at bytes {start}..{end} of the file, which holds {size}", path, fqn
+            raise defect(
+                "short-file",
+                f"the {_what(offsets)} lies at bytes {start}..{end} of the file, which holds {size}",
+                path,
+                fqn,
             )
         if location.transforms:
             raise UnsupportedError(
@@ -476,7 +483,8 @@ def _tensor(fqn: str, entry: DcpObject, files: _Files) -> DcpTensor:
         check_elements(shape)
         problem = layout_error(shape, boxes)
         if problem is not None:
-            raise MalformedError(problem)
+            kind = "chunk-overlap" if "overlap" in problem else "chunk-gap" if "hole" in problem else "chunk-outside"
+            raise defect(kind, problem)
     except ClipcliError as e:
         e.path, e.tensor = e.path or str(files.where), fqn
         raise
@@ -514,9 +522,59 @@ def _boxes(chunks: Any, ndim: int, fqn: str) -> list[tuple[tuple[int, ...], tupl
     return boxes
 
 
+def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
+    """Every defect of a distributed checkpoint that `read_dcp` meets, one per tensor and item rather than the
+    first (a `.distcp` file missing or too short, chunks that leave a hole in a tensor or overlap, ...), and
+    byte ranges that several chunks or items share (`region-twice`); from `.metadata` and the torch.save files'
+    directories and pickles, never the tensors' data.
+
+    Raises:
+        InputError: for a `.metadata` clipcli cannot read at all.
+    """
+    where = directory / METADATA
+    try:
+        root = _read_metadata(where, store)
+        _check_version(root)
+        items = _state_dict_items(root)
+        files = _Files(directory, _locations(root), where, store, collect=True)
+    except MalformedError as e:
+        return [Finding.of(e, "metadata", where)]
+    out = []
+    for fqn, entry in items:
+        try:
+            if entry.cls == "BytesStorageMetadata":
+                files.item(fqn)
+            else:
+                _tensor(fqn, entry, files)
+        except MissingFileError as e:
+            out.append(Finding.of(e, "missing-file", where))
+        except MalformedError as e:
+            out.append(Finding.of(e, file=where))
+    return out + _shared_regions(directory, files.used or [])
+
+
+def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | None, _Location]]) -> list[Finding]:
+    """A finding for each chunk or item whose bytes overlap those of one before it in the same file."""
+    out = []
+    by_file: dict[str, list[tuple[int, int, str, tuple[int, ...] | None]]] = {}
+    for fqn, offsets, at in dict.fromkeys(used):  # a name looked up twice is one use
+        if at.length:
+            by_file.setdefault(at.relative_path, []).append((at.offset, at.offset + at.length, fqn, offsets))
+    for relative, regions in by_file.items():
+        end, last = -1, None
+        for start, stop, fqn, offsets in sorted(regions, key=lambda r: r[:2]):
+            if start < end and last is not None:
+                shared = f"bytes {start}..{min(stop, end)}"
+                problem = f"its {_what(offsets)} shares {shared} with the {_what(last[1])} of {last[0]}"
+                out.append(Finding(str(directory / relative), fqn, "region-twice", problem))
+            if stop > end:
+                end, last = stop, (fqn, offsets)
+    return out
+
+
 def _open(directory: Path, store: Store = LOCAL) -> Opened:
     metadata, tensors = open_directory(directory, store)
     return Opened(metadata, tensors, sorted({Path(t.file) for t in tensors}), "distcp", sharded=True)
 
 
-FORMAT = Format("distcp", recognises=is_dcp, open=_open)
+FORMAT = Format("distcp", recognises=is_dcp, open=_open, findings=findings)

@@ -17,10 +17,10 @@ from clipcli.checkpoint.atomic import write_data
 from clipcli.checkpoint.formats import npy as _npy
 from clipcli.checkpoint.formats._common import first_zip_member
 from clipcli.checkpoint.formats._common import one_line as _one_line
-from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.plugin import Finding, Format, refusals
 from clipcli.checkpoint.source import LOCAL, Store, read_head
 from clipcli.checkpoint.tensor import Span, StoredCrc, TensorInfo, ZipMember
-from clipcli.checkpoint.zipmember import DATA_ERRORS, MemberStream, data_start
+from clipcli.checkpoint.zipmember import DATA_ERRORS, MemberStream, crc_findings, data_start
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
@@ -212,6 +212,12 @@ def _describe_head(head: bytes) -> str | None:
     return None
 
 
+def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
+    """What opening an .npz refuses (its first defect) or, for one that opens, each member whose bytes do not
+    match their CRC-32 (read through: the only check that reads tensor bytes without --values)."""
+    return refusals(open_file, path, store) or crc_findings(path, store, tensor_name)
+
+
 FORMAT = Format(
     "npz",
     (".npz",),
@@ -221,4 +227,5 @@ FORMAT = Format(
     write=write,
     check_tensor=_check_tensor,
     check_file=_check_file,
+    findings=findings,
 )

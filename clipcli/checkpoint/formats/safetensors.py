@@ -6,7 +6,7 @@ import json
 import math
 import operator
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from clipcli.checkpoint.atomic import write_data
 from clipcli.checkpoint.formats._common import gc_paused
-from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.plugin import Finding, Format, defect
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
@@ -117,16 +117,57 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
 
     Raises:
         FileTypeError: when the file is evidently something else.
-        MalformedError: when a reference rule is broken.
+        MalformedError: when a reference rule is broken (naming its `defect` kind where the data's layout is).
     """
+    n, metadata, header = _parse(path, f, size)
+    entries = [_entry(path, name, info, 8 + n) for name, info in header.items()]
+    entries.sort(key=_DATA_ORDER)
+    for error in _layout_defects(path, entries, 8 + n, size):
+        raise error
+    return metadata, entries
+
+
+def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
+    """Every rule of `read_header` a file breaks: each tensor's entry, then the layout of their data (gaps,
+    overlaps, a file truncated or with bytes after the data), from the header and the file's size.
+
+    Raises:
+        FileTypeError: when the file is evidently something else.
+    """
+    with store.open(path) as f, gc_paused():
+        size = size_of(f)
+        try:
+            n, _, header = _parse(path, f, size)
+        except FileTypeError:
+            raise
+        except (MalformedError, UnsupportedError) as e:  # no header to go on with
+            return [Finding.of(e, "header", path)]
+    out: list[Finding] = []
+    entries: list[Entry] = []
+    for name, info in header.items():
+        try:
+            entries.append(_entry(path, name, info, 8 + n))
+        except (MalformedError, UnsupportedError) as e:
+            out.append(Finding.of(e, "header", path))
+            offsets = info.as_json() if type(info) is _Parsed else info
+            offsets = offsets.get("data_offsets") if isinstance(offsets, dict) else None
+            if type(offsets) is list and len(offsets) == 2 and _counts(offsets) and offsets[0] <= offsets[1]:
+                entries.append((8 + n + offsets[0], offsets[1] - offsets[0], name, DTYPES["U8"], ()))  # its place
+    entries.sort(key=_DATA_ORDER)
+    return out + [Finding.of(d) for d in _layout_defects(path, entries, 8 + n, size)]
+
+
+def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """The header's length, metadata and tensors' objects (unchecked), by the reference rules of the length
+    prefix, the JSON and `__metadata__`."""
     prefix = f.read(8)
     if len(prefix) < 8:
-        raise _not_safetensors(path, f, f"only {size} bytes, too short for a safetensors header")
+        raise _not_safetensors(path, f, f"only {size} bytes, too short for a safetensors header", "truncated")
     (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER:
         raise _not_safetensors(path, f, f"header length {n} exceeds the limit of {MAX_HEADER} bytes")
     if 8 + n > size:
-        raise _not_safetensors(path, f, f"header length {n} runs past the end of the file ({size} bytes)")
+        raise _not_safetensors(path, f, f"header length {n} runs past the end of the file ({size} bytes)", "truncated")
     raw = f.read(n)
     if raw.lstrip(_JSON_SPACE)[:1] != b"{":  # the reference reader takes JSON whitespace before it
         raise _not_safetensors(path, f, "the header does not start with '{'")
@@ -155,25 +196,27 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise MalformedError("__metadata__ must map strings to strings", path)
-    entries = [_entry(path, name, info, 8 + n) for name, info in header.items()]
-    entries.sort(key=_DATA_ORDER)
-    end = 8 + n
+    return n, metadata, header
+
+
+def _layout_defects(path: Path, entries: list[Entry], base: int, size: int) -> Iterator[MalformedError]:
+    """The reference rules of the data's layout that entries (in data order, their data from `base`) break,
+    in order: each tensor starts where the one before ends (`gap`, `overlap`), the first at 0, and the data
+    ends at the end of the file (`truncated`, `trailing-bytes`)."""
+    end = base
     for start, nbytes, name, _, _ in entries:
         if start != end:
-            raise MalformedError(
-                f"data offsets {start - 8 - n}..{start - 8 - n + nbytes} are not contiguous with "
-                f"the previous tensor (expected to start at {end - 8 - n})"
-                if end > 8 + n
-                else f"data offsets {start - 8 - n}..{start - 8 - n + nbytes}: the first tensor's data must start at 0",
-                path,
-                name,
+            message = (
+                f"data offsets {start - base}..{start - base + nbytes} are not contiguous with "
+                f"the previous tensor (expected to start at {end - base})"
+                if end > base
+                else f"data offsets {start - base}..{start - base + nbytes}: the first tensor's data must start at 0"
             )
-        end += nbytes
+            yield defect("gap" if start > end else "overlap", message, path, name)
+        end = max(end, start + nbytes)
     if end != size:
-        raise MalformedError(
-            f"the tensors' data ends at byte {end - 8 - n} but the file holds {size - 8 - n} bytes of data", path
-        )
-    return metadata, entries
+        message = f"the tensors' data ends at byte {end - base} but the file holds {size - base} bytes of data"
+        yield defect("truncated" if end > size else "trailing-bytes", message, path)
 
 
 def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
@@ -223,14 +266,14 @@ def _short(e: Exception) -> str:
     return str(e).split("\n")[0][:120]
 
 
-def _not_safetensors(path: Path, f: BinaryIO, reason: str) -> Exception:
-    """A FileTypeError naming what the file really is, or a MalformedError when it is nothing else."""
+def _not_safetensors(path: Path, f: BinaryIO, reason: str, kind: str = "header") -> Exception:
+    """A FileTypeError naming what the file really is, or a MalformedError of defect `kind` when it is nothing else."""
     from clipcli.checkpoint import registry  # here: only a file that is no safetensors needs every format
 
     f.seek(0)
     what = registry.describe(f.read(registry.HEAD_BYTES))
     if what in (SAFETENSORS, registry.UNKNOWN):
-        return MalformedError(reason, path)
+        return defect(kind, reason, path)
     return FileTypeError(f"not a safetensors file: {what}", path)
 
 
@@ -362,4 +405,5 @@ FORMAT = Format(
     check_tensor=dtype_of,
     c_order=True,
     layout_keys=frozenset({"format"}),
+    findings=findings,
 )

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 from clipcli.checkpoint.atomic import atomic_write, resolve_target
 from clipcli.checkpoint.formats import safetensors as _safetensors
-from clipcli.checkpoint.plugin import DIRECTORY, DirectoryWriter, Format, Opened, Plan, Target
+from clipcli.checkpoint.plugin import DIRECTORY, DirectoryWriter, Finding, Format, Opened, Plan, Target, defect
 from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import TensorInfo
 from clipcli.errors import InputError, MalformedError, MissingFileError, UsageError, WriteError
@@ -32,6 +32,41 @@ def open_index(
 
     `open_file` reads a shard's metadata and tensors (safetensors' by default).
     """
+    index, names = _read_index(path, store)
+    shards = list(names)
+    tensors: list[TensorInfo] = []
+    metadata: dict[str, str] = {}
+    for shard in shards:
+        shard_path = path.parent / shard
+        kind = store.kind(shard_path)
+        if kind != "file":
+            missing = "is not a file" if kind is not None else "does not exist"
+            raise MissingFileError(f"shard {shard} named by the index {missing}", path)
+        shard_meta, shard_tensors = open_file(shard_path)
+        _add_metadata(metadata, shard_meta)
+        for t in shard_tensors:
+            if index["weight_map"].get(t.name) != shard:
+                raise defect("not-in-index", f"the index does not map this tensor to {shard}", shard_path, t.name)
+        missing = sorted(set(names[shard]) - {t.name for t in shard_tensors})
+        if missing:
+            raise defect("not-in-shard", f"tensor {missing[0]} named by the index is not in {shard}", path)
+        tensors.extend(shard_tensors)
+    # the index's own metadata (huggingface_hub's `metadata=`; PyTorch shards have no other place for it),
+    # but its total size, which is the index's bookkeeping: non-strings as JSON
+    extra = index.get("metadata")
+    for key, value in extra.items() if isinstance(extra, dict) else ():
+        if key != "total_size":
+            metadata.setdefault(key, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+    return metadata, tensors, [path.parent / s for s in shards], index
+
+
+def _read_index(path: Path, store: Store) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """An index of shards and its shards' tensors, each shard's as the weight map lists them.
+
+    Raises:
+        MalformedError: for an index that is no JSON, has no weight map of names to shard files, or names a
+            shard outside its directory.
+    """
     try:
         with io.TextIOWrapper(store.open(path), encoding="utf-8") as f:  # as Path.read_text reads it
             text = f.read()
@@ -48,36 +83,12 @@ def open_index(
     names: dict[str, list[str]] = {}  # each shard's tensors, grouped once (an index may name 10,000 shards)
     for name, shard in weight_map.items():
         names.setdefault(shard, []).append(name)
-    shards = list(names)
-    for shard in shards:
+    for shard in names:
         if not shard.strip():
             raise MalformedError("the index maps a tensor to an empty shard name", path)
         if os.path.isabs(shard) or ".." in Path(shard).parts:
             raise MalformedError(f"shard path {shard!r} leaves the checkpoint's directory", path)
-    tensors: list[TensorInfo] = []
-    metadata: dict[str, str] = {}
-    for shard in shards:
-        shard_path = path.parent / shard
-        kind = store.kind(shard_path)
-        if kind != "file":
-            missing = "is not a file" if kind is not None else "does not exist"
-            raise MissingFileError(f"shard {shard} named by the index {missing}", path)
-        shard_meta, shard_tensors = open_file(shard_path)
-        _add_metadata(metadata, shard_meta)
-        for t in shard_tensors:
-            if weight_map.get(t.name) != shard:
-                raise MalformedError(f"the index does not map this tensor to {shard}", shard_path, t.name)
-        missing = sorted(set(names[shard]) - {t.name for t in shard_tensors})
-        if missing:
-            raise MalformedError(f"tensor {missing[0]} named by the index is not in {shard}", path)
-        tensors.extend(shard_tensors)
-    # the index's own metadata (huggingface_hub's `metadata=`; PyTorch shards have no other place for it),
-    # but its total size, which is the index's bookkeeping: non-strings as JSON
-    extra = index.get("metadata")
-    for key, value in extra.items() if isinstance(extra, dict) else ():
-        if key != "total_size":
-            metadata.setdefault(key, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
-    return metadata, tensors, [path.parent / s for s in shards], index
+    return index, names
 
 
 def find_index(directory: Path, suffixes: tuple[str, ...] = (INDEX_SUFFIX,), store: Store = LOCAL) -> Path | None:
@@ -117,6 +128,116 @@ def open_directory(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str
             seen.add(t.name)
         tensors.extend(shard_tensors)
     return metadata, tensors, shards
+
+
+def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
+    """Every defect of a sharded checkpoint, from its index, its shards' headers and sizes and its directory's
+    listing: each shard's own (`Format.defects`), shards the index names that are missing, tensors the index
+    names that their shard does not hold (`not-in-shard`), tensors a shard holds that the index does not name
+    (`not-in-index`) or names in another shard (`wrong-shard`), a tensor in two shards (`duplicate`), and
+    shard files in the index's directory that it leaves out (`stray-shard`, see `_stray`).
+
+    Raises:
+        InputError: for a directory with no shards or several indexes (as opening it does).
+    """
+    if store.kind(path) == "directory":
+        index = find_index(path, store=store) or find_index(path, TORCH_INDEX_SUFFIXES, store)
+        if index is None:
+            return _directory_findings(path, store)
+        path = index
+    try:
+        index, names = _read_index(path, store)
+    except MalformedError as e:
+        return [Finding.of(e, "index")]
+    fmt = _shard_format(path)
+    out: list[Finding] = []
+    holders: dict[str, list[str]] = {}  # the shards whose headers hold each tensor
+    for shard, listed in names.items():
+        shard_path = path.parent / shard
+        kind = store.kind(shard_path)
+        if kind != "file":
+            missing = "is not a file" if kind is not None else "does not exist"
+            out.append(Finding(str(path), None, "missing-shard", f"shard {shard} named by the index {missing}"))
+            continue
+        found = _shard_defects(fmt, shard_path, store)
+        out += found
+        if found:  # its tensors are not known for sure: the index is not compared with it
+            continue
+        assert fmt.open_file is not None
+        held = {t.name for t in fmt.open_file(shard_path, store)[1]}
+        for name in held:
+            holders.setdefault(name, []).append(shard)
+        out += [
+            Finding(str(path), name, "not-in-shard", f"the index names it in {shard}, which does not hold it")
+            for name in listed
+            if name not in held
+        ]
+    weight_map = index["weight_map"]
+    for name, shards in holders.items():
+        for shard in shards:
+            mapped = weight_map.get(name)
+            if mapped == shard:
+                continue
+            if mapped is None:
+                kind, problem = "not-in-index", f"{shard} holds it but the index does not name it"
+            elif len(shards) > 1:
+                kind, problem = (
+                    "duplicate",
+                    f"held by {len(shards)} shards ({', '.join(shards)}); the index names {mapped}",
+                )
+            else:
+                kind, problem = "wrong-shard", f"{shard} holds it but the index names {mapped}"
+            out.append(Finding(str(path.parent / shard), name, kind, problem))
+    for p in sorted(store.list(path.parent)):
+        if p.name not in names and _stray(p.name, fmt) and store.kind(p) == "file":
+            out.append(Finding(str(p), None, "stray-shard", f"a shard file the index {path.name} does not name"))
+    return out
+
+
+def _directory_findings(directory: Path, store: Store) -> list[Finding]:
+    """Every defect of a directory of .safetensors shards without an index: each shard's, and a tensor held by
+    two shards."""
+    shards = sorted(p for p in _safetensors_in(directory, store) if store.kind(p) == "file")
+    if not shards:
+        open_directory(directory, store)  # raises, naming what the directory holds
+    out: list[Finding] = []
+    holders: dict[str, list[str]] = {}
+    for shard in shards:
+        found = _shard_defects(_safetensors.FORMAT, shard, store)
+        out += found
+        if not found:
+            for t in _safetensors.open_file(shard, store)[1]:
+                holders.setdefault(t.name, []).append(shard.name)
+    for name, held in holders.items():
+        if len(held) > 1:
+            out.append(Finding(str(directory), name, "duplicate", f"held by {len(held)} shards ({', '.join(held)})"))
+    return out
+
+
+def _stray(name: str, fmt: Format) -> bool:
+    """Whether a file beside an index that does not name it looks like one of its shards: any .safetensors
+    beside a safetensors index; beside PyTorch shards' index, only a numbered shard (`-00003-of-00008.bin`), since
+    PyTorch files of other kinds (`training_args.bin`, `optimizer.pt`) often lie there."""
+    if fmt is _safetensors.FORMAT:
+        return name.endswith(".safetensors")
+    return name.endswith(fmt.suffixes) and "-of-" in name
+
+
+def _shard_format(index: Path) -> Format:
+    """The format of the shards an index names: PyTorch's for a PyTorch shards' index, else safetensors."""
+    if index.name.endswith(TORCH_INDEX_SUFFIXES):
+        from clipcli.checkpoint import registry  # here: PyTorch's reader only for PyTorch shards
+
+        return registry.get("torch")
+    return _safetensors.FORMAT
+
+
+def _shard_defects(fmt: Format, shard: Path, store: Store) -> list[Finding]:
+    """A shard's defects; a shard that is no file of its format at all (a web page) is one (`bad-shard`)."""
+    try:
+        return fmt.defects(shard, store)
+    except InputError as e:
+        return [Finding.of(e, "bad-shard", shard)]
 
 
 def _add_metadata(metadata: dict[str, str], shard: dict[str, str]) -> None:
@@ -316,6 +437,7 @@ FORMAT = Format(
     (INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES),
     recognises=lambda directory, store: True,  # any directory: the last directory format asked
     open=open_path,
+    findings=findings,
     directory_writer=DirectoryWriter(
         kind_of,
         plan_output,

@@ -46,10 +46,10 @@ from clipcli.checkpoint.formats._torch_records import (
     shared_storages,
     view_byte_range,
 )
-from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.plugin import Finding, Format, refusals
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Piece, Pieces, Span, TensorInfo
-from clipcli.checkpoint.zipmember import zip_data_start
+from clipcli.checkpoint.zipmember import crc_findings, zip_data_start
 from clipcli.errors import (
     ClipcliError,
     FileTypeError,
@@ -461,6 +461,13 @@ def _describe_head(head: bytes) -> str | None:
     return None
 
 
+def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
+    """What opening a PyTorch file refuses (its first defect) or, for a zip (torch.save's format since 1.6) that
+    opens, each member whose bytes do not match their CRC-32 (read through: the pickle and every storage; none
+    where torch recorded each as 0, as `_read_member` reads them)."""
+    return refusals(open_file, path, store) or crc_findings(path, store, zero_is_none=True)
+
+
 FORMAT = Format(
     "torch",
     (".pt", ".pth", ".bin", ".ckpt"),
@@ -468,4 +475,5 @@ FORMAT = Format(
     describe=_describe_head,
     open_file=open_file,
     plural="PyTorch files",
+    findings=findings,
 )

@@ -336,5 +336,5 @@ def exponent_histogram(exponents: Sequence[tuple[int, int]]) -> str:
     for e, n in exponents:
         counts[e - lo] = n
     most = math.log2(max(counts) + 1)
-    levels = [0 if not n else max(1, math.ceil(8 * math.log2(n + 1) / most)) for n in counts]
+    levels = [0 if not n else max(1, round(8 * math.log2(n + 1) / most)) for n in counts]
     return f"2^{lo} {histogram(levels)} 2^{hi}"

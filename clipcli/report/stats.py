@@ -323,7 +323,7 @@ def _group_cells(g: StatsGroup, short: list[str]) -> list[str]:
 
 def _n(x: float | int | None) -> str:
     """A figure of the table: integers (of an integer tensor) whole, floats to six digits."""
-    return f"{x:,}" if isinstance(x, int) and not isinstance(x, bool) else fmt(x)
+    return str(x) if isinstance(x, int) and not isinstance(x, bool) else fmt(x)
 
 
 def exponent_histogram(exponents: Sequence[tuple[int, int]]) -> str:

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import ROOT, ok
 
 README = ROOT / "README.md"
-COMMANDS = ["inspect", "global-norm", "diff", "convert", "hash", "clip-value", "clip-norm", "clip-global-norm"]
+COMMANDS = ["inspect", "global-norm", "diff", "convert", "hash", "stats", "clip-value", "clip-norm", "clip-global-norm"]
 _CONSOLE = re.compile(r"```console\n(.*?)```", re.S)
 
 
@@ -128,7 +128,9 @@ def test_every_option_is_in_the_readme():
             assert option in readme, f"{command} {option}"
 
 
-@pytest.mark.parametrize("command", ["inspect", "global-norm", "hash", "clip-value", "clip-norm", "clip-global-norm"])
+@pytest.mark.parametrize(
+    "command", ["inspect", "global-norm", "hash", "stats", "clip-value", "clip-norm", "clip-global-norm"]
+)
 def test_help_ends_with_examples_and_names_arguments_as_words(command):
     # found trying clipcli as a new user: help lacked examples, and named arguments as {braces} and <str>
     text = ok(command, "--help").stdout

@@ -108,7 +108,7 @@ def test_table_essentials_histogram_and_summary(ckpt):
     assert head[:3] == ["tensor", "dtype", "min"] and head[-1] == "exponents"
     assert {"f16", "bf16", "e4m3", "e5m2"} <= set(head)
     rows = {line.split()[0]: line for line in lines[3:]}
-    assert "all-zero" in rows["b.lora_A"] and rows["step"].split()[2:5] == ["3", "3", "3"]
+    assert "all-zero" in rows["b.lora_A"] and rows["step"].split()[2:6] == ["3", "3", "3", "3"]
     exponents = tensor_stats(tensors["a.bias"]).exponents
     lo, hi = exponents[0][0], exponents[-1][0]
     bars = rows["a.bias"].split(f"2^{lo} ")[1].split(f" 2^{hi}")[0]

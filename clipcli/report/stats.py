@@ -17,9 +17,12 @@ from clipcli.report.render import (
     fmt,
     histogram,
     num,
+    number,
     plural,
+    shape_json,
     shape_text,
     showing,
+    string,
     table,
 )
 from clipcli.report.rows import Skipped
@@ -175,7 +178,7 @@ class StatsReport(Report):
         out = []
         for c in self.checkpoints:
             one: dict[str, Any] = {"path": c.path, "format": c.format, "summary": _summary_json(c.summary)}
-            one["tensors"] = Rendered(COMPACT.encode(tensor_json(t)) for t in c.tensors)
+            one["tensors"] = Rendered(tensor_json(t) for t in c.tensors)
             one["skipped"] = [{"name": s.name, "dtype": s.dtype, "reason": s.reason} for s in c.skipped]
             if c.groups is not None:
                 one["groups"] = Rendered(COMPACT.encode(_group_json(g)) for g in c.groups)
@@ -208,16 +211,35 @@ CSV_HEADER = ["path", "name", "dtype", "shape", *_FIGURES]
 CSV_HEADER += [f"{t}_{f}" for t in CASTS for f in _CAST_FIGURES] + ["exponents", "kind"]
 
 
-def tensor_json(t: StatsRow) -> dict[str, Any]:
-    """A tensor's row as JSON holds it: every figure of its `TensorStats`, exponents as [[e, n], ...], casts as
-    a list of objects."""
+def tensor_json(t: StatsRow) -> str:
+    """A tensor's row as the encoder writes the object of every figure of its `TensorStats` (exponents as [[e, n],
+    ...], casts as a list of objects), three times as fast as a dict through it (a test compares the two).
+    """
     s = t.stats
-    out: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
-    for f in _FIGURES:
-        out[f] = num(getattr(s, f))
-    out["exponents"] = [list(p) for p in s.exponents]
-    out["casts"] = [{"dtype": c.dtype, **{f: num(getattr(c, f)) for f in _CAST_FIGURES}} for c in s.casts]
-    return out
+    exponents = ", ".join([f"[{e:d}, {n:d}]" for e, n in s.exponents])
+    casts = ", ".join(
+        [
+            f'{{"dtype": {string(c.dtype)}, "overflow": {c.overflow:d}, "flush": {c.flush:d}, '
+            f'"subnormal": {c.subnormal:d}, "rel_error": {number(c.rel_error)}}}'
+            for c in s.casts
+        ]
+    )
+    return (
+        f'{{"name": {string(t.name)}, "dtype": {string(t.dtype)}, "shape": {shape_json(t.shape)}, '
+        f'"count": {s.count:d}, "min": {_value(s.min)}, "max": {_value(s.max)}, "max_abs": {_value(s.max_abs)}, '
+        f'"argmax_abs": {_value(s.argmax_abs)}, "mean": {number(s.mean)}, "std": {number(s.std)}, '
+        f'"zeros": {s.zeros:d}, "subnormals": {s.subnormals:d}, "nan": {s.nan:d}, "posinf": {s.posinf:d}, '
+        f'"neginf": {s.neginf:d}, "all_zero": {_BOOL[s.all_zero]}, "constant": {_BOOL[s.constant]}, '
+        f'"exponents": [{exponents}], "casts": [{casts}]}}'
+    )
+
+
+_BOOL = {False: "false", True: "true"}
+
+
+def _value(x: float | int | None) -> str:
+    """A figure as the encoder writes `num(x)`: an integer (of an integer tensor, or an index) whole."""
+    return str(x) if type(x) is int else number(x)
 
 
 def _summary_json(s: StatsSummary) -> dict[str, Any]:

@@ -13,10 +13,14 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import clipcli
 from clipcli.checkpoint import engine as _engine
-from clipcli.core.stats import tensor_stats
+from clipcli.core.stats import CastReadiness, TensorStats, tensor_stats
+from clipcli.report import render
+from clipcli.report.stats import StatsRow, tensor_json
 from tests.helpers import SAMPLES, js, ok, run, write_st
 
 FIELDS = ["name", "dtype", "shape", "count", "min", "max", "max_abs", "argmax_abs", "mean", "std", "zeros"]
@@ -248,3 +252,53 @@ def test_files_torch_wrote_as_their_values_read_whole(path):
     with clipcli.open(path) as ckpt:
         for t in report["tensors"]:
             assert {k: t[k] for k in FIELDS[3:]} == as_json(tensor_stats(ckpt.read(t["name"]))), t["name"]
+
+
+_COUNTS = st.integers(0, 2**64)
+_FIGURE = st.one_of(st.none(), st.floats(), st.integers(-(2**64), 2**64), st.sampled_from([-0.0, 5e-324]))
+_CASTS = st.lists(
+    st.builds(
+        CastReadiness, st.sampled_from(["float16", "float8_e5m2"]), _COUNTS, _COUNTS, _COUNTS, st.none() | st.floats()
+    ),
+    max_size=4,
+).map(tuple)
+_STATS = st.builds(
+    TensorStats,
+    dtype=st.just("float32"),
+    count=_COUNTS,
+    min=_FIGURE,
+    max=_FIGURE,
+    max_abs=_FIGURE,
+    argmax_abs=st.none() | _COUNTS,
+    mean=st.none() | st.floats(),
+    std=st.none() | st.floats(),
+    zeros=_COUNTS,
+    subnormals=_COUNTS,
+    nan=_COUNTS,
+    posinf=_COUNTS,
+    neginf=_COUNTS,
+    exponents=st.lists(st.tuples(st.integers(-1100, 1100), _COUNTS), max_size=5).map(tuple),
+    all_zero=st.booleans(),
+    constant=st.booleans(),
+    casts=_CASTS,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(), shape=st.lists(st.integers(0, 2**40), max_size=4).map(tuple), s=_STATS)
+def test_a_tensor_row_is_written_as_the_encoder_writes_it(name, shape, s):
+    row = StatsRow(name, "float32", shape, 0, True, s)
+    fields = {"name": name, "dtype": "float32", "shape": list(shape)}
+    fields |= {f: render.num(getattr(s, f)) for f in FIELDS[3:-2]}
+    fields["exponents"] = [list(p) for p in s.exponents]
+    fields["casts"] = [
+        {
+            "dtype": c.dtype,
+            "overflow": c.overflow,
+            "flush": c.flush,
+            "subnormal": c.subnormal,
+            "rel_error": render.num(c.rel_error),
+        }
+        for c in s.casts
+    ]
+    assert tensor_json(row) == render.COMPACT.encode(fields)

@@ -88,6 +88,10 @@ class StatsKernel:
     """A worker's kernel: each tensor's chunks into its accumulator, placed by their offsets; a tensor that comes
     whole in one chunk (most small ones) is kept as its `TensorStats` only (an accumulator takes ~20 KiB)."""
 
+    # What one worker takes (see _engine.WORKERS_BUDGET): its chunk buffer and the core's scratch, up to 8 MiB
+    # for a 4 MiB chunk of float64 (tracemalloc); 16 workers asked for stay under 128 MiB with the parent's.
+    worker_bytes = 12 << 20
+
     def __init__(self, casts: tuple[str, ...] | None, also: tuple[str, ...]):
         self.casts, self.also = casts, also
         self.accs: dict[str, StatsAccumulator] = {}

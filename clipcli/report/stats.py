@@ -299,9 +299,11 @@ def _checkpoint_lines(c: CheckpointStats) -> list[str]:
     lines += showing(len(c.tensors), s.tensors, "tensor")
     if c.tensors:
         headers = ["tensor", "dtype", "min", "max", "max |x|", "mean", "std", "zeros", "nan/inf", "flags"]
-        headers += [f"{CASTS[t]} ovf" for t in casts] + ["exponents"]
-        rows = (_tensor_cells(r, casts) for r in c.tensors)
-        lines += table(headers, rows, right=range(2, 9 + len(casts) + 1))
+        headers += [f"{CASTS[t]} ovf" for t in casts]
+        rows = table(headers, (_tensor_cells(r, casts) for r in c.tensors), right=range(2, len(headers)))
+        # the histograms after the last column, right-aligned (so every line is as wide): nothing to measure
+        histograms = ["exponents", *(exponent_histogram(r.stats.exponents) for r in c.tensors)]
+        lines += [f"{row} {h}" for row, h in zip(rows, histograms, strict=True)]
     if c.groups is not None:
         lines += showing(len(c.groups), c.group_count, "group")
         headers = ["group", "tensors", "min", "max", "max |x|", "zeros", "nan/inf", "all-zero"]
@@ -332,8 +334,7 @@ def _tensor_cells(r: StatsRow, casts: list[str]) -> list[str]:
     nonfinite = f"{s.nan:,}/{s.posinf + s.neginf:,}" if r.nonfinite else "0"
     cells = [r.name, r.dtype, _n(s.min), _n(s.max), _n(s.max_abs), fmt(s.mean), fmt(s.std), f"{s.zeros:,}"]
     cells += [nonfinite, flags or "-"]
-    cells += ["-" if (n := r.overflow(t)) is None else f"{n:,}" for t in casts]
-    return [*cells, exponent_histogram(s.exponents)]
+    return cells + ["-" if (n := r.overflow(t)) is None else f"{n:,}" for t in casts]
 
 
 def _group_cells(g: StatsGroup, short: list[str]) -> list[str]:

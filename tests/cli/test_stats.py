@@ -134,6 +134,10 @@ def test_depth_groups(ckpt):
     assert c["group_count"] == 3 and groups["b"]["all_zero"] == 1 and groups["a"]["nan"] == 1
     assert groups["b"]["count"] == tensors["b.weight"].size + tensors["b.lora_A"].size
     assert "group" in ok("stats", path, "--depth", "1").stdout
+    rows = list(csv.DictReader(io.StringIO(ok("stats", path, "--depth", "1", "--format", "csv").stdout)))
+    by_group = {r["name"]: r for r in rows if r["kind"] == "group"}
+    assert set(by_group) == {"a", "b", "step"} and by_group["b"]["all_zero"] == "1"
+    assert by_group["a"]["float16_overflow"] == str(groups["a"]["overflow"]["float16"])
 
 
 def test_csv_header_and_rows(ckpt):

@@ -309,7 +309,7 @@ def _failure(c: CheckpointStats, limits: StatsLimits) -> CheckFailedError | None
     if target is not None:
         missing = [r for r in rows if r.overflow(target) is None]
         if missing:
-            message = f"the cast to {target} was not measured (--cast without it); measure it to gate on it"
+            message = f"the cast to {target} was not measured for every floating tensor: include it in cast= (--cast)"
             raise UsageError(message, c.path, "--fail-cast-overflow")
         bad = [r for r in rows if r.overflow(target)]
         if bad:

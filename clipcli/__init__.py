@@ -3,7 +3,7 @@
 On arrays: `clip_by_value`, `clip_by_norm`, `clip_by_global_norm`, `global_norm`, `norm`, `diff` (TensorFlow's
 signatures). On files: `open(path)`, and one function per command returning its report: `inspect_of`,
 `global_norm_of`, `diff_of`, `clip_value_of`, `clip_norm_of`, `clip_global_norm_of`, `convert_of`,
-`hash_of`, `trajectory_of`, `verify_of`;
+`hash_of`, `stats_of`, `trajectory_of`, `verify_of`;
 `failures(report, fail_above=...)` applies the command line's gates.
 """
 
@@ -28,6 +28,7 @@ _FILES = [
     "open",
     "trajectory_of",
     "verify_of",
+    "stats_of",
 ]
 __all__ = ["__version__", *_ARRAYS, *_FILES]
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from clipcli.api import hash_of as hash_of
     from clipcli.api import inspect_of as inspect_of
     from clipcli.api import open as open
+    from clipcli.api import stats_of as stats_of
     from clipcli.api import trajectory_of as trajectory_of
     from clipcli.api import verify_of as verify_of
     from clipcli.core import clip_by_global_norm as clip_by_global_norm

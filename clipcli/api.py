@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from clipcli.report.hash import HashReport
     from clipcli.report.listing import ConvertReport, InspectReport
     from clipcli.report.norms import NormReport
+    from clipcli.report.stats import StatsReport
     from clipcli.report.trajectory import TrajectoryReport
     from clipcli.report.verify import VerifyReport
 
@@ -429,6 +430,34 @@ def verify_of(
     return verify(path, options)
 
 
+def stats_of(
+    *paths: PathLike,
+    cast: str | Iterable[str] | None = None,
+    depth: int | None = None,
+    include: str | Iterable[str] = (),
+    exclude: str | Iterable[str] = (),
+    sort: str | None = None,
+    top: int | None = None,
+    jobs: int | None = None,
+) -> StatsReport:
+    """`clipcli stats PATHS...`: each tensor's exact statistics and cast readiness (`clipcli.core.stats`); `cast`
+    names the targets (None: per tensor the standard floats narrower than its dtype)."""
+    from clipcli.checkpoint import open_checkpoint
+    from clipcli.commands.passes import workers
+    from clipcli.commands.stats import SORT_KEYS, StatsOptions, check_casts, stats
+    from clipcli.report.stats import StatsReport
+
+    if sort is not None and sort not in SORT_KEYS:
+        raise UsageError(f"sort must be one of {', '.join(SORT_KEYS)}, got {sort!r}", None, "--sort")
+    casts = None if cast is None else check_casts([cast] if isinstance(cast, str) else list(cast), "--cast")
+    options = StatsOptions(_selection(include, exclude), casts, (), depth, sort, top, workers(jobs))
+    measured = []
+    for path in paths:
+        with open_checkpoint(path) as ckpt:
+            measured.append(stats(ckpt, options))
+    return StatsReport(tuple(measured))
+
+
 def failures(
     report: Any,
     *,
@@ -436,10 +465,14 @@ def failures(
     fail_nonfinite: bool = False,
     fail_rel_above: float | None = None,
     fail_different: bool = False,
+    fail_max_abs: float | None = None,
+    fail_cast_overflow: str | None = None,
+    fail_all_zero: bool = False,
 ) -> list[str]:
-    """The command line's gates on a report of `global_norm_of` (`fail_above`, `fail_nonfinite`) or `diff_of`
-    (`fail_above`, `fail_rel_above`, `fail_different`): why it fails them, one line each, or [] where it passes
-    (where the command line exits 0; it exits 1 with the first line otherwise).
+    """The command line's gates on a report of `global_norm_of` (`fail_above`, `fail_nonfinite`), `diff_of`
+    (`fail_above`, `fail_rel_above`, `fail_different`) or `stats_of` (`fail_max_abs`, `fail_cast_overflow`,
+    `fail_all_zero`, `fail_nonfinite`): why it fails them, one line each, or [] where it passes (where the
+    command line exits 0; it exits 1 with the first line otherwise).
 
     Raises:
         UsageError: for a threshold below 0 or NaN, or a gate over a report where nothing was measured (no
@@ -448,7 +481,12 @@ def failures(
     """
     from clipcli.report.diff import DiffReport
     from clipcli.report.norms import NormReport
+    from clipcli.report.stats import StatsReport
 
+    if isinstance(report, StatsReport) and fail_above is None and fail_rel_above is None and not fail_different:
+        return _stats_failures(report, fail_max_abs, fail_cast_overflow, fail_all_zero, fail_nonfinite)
+    if fail_max_abs is not None or fail_cast_overflow is not None or fail_all_zero:
+        raise TypeError(f"a {type(report).__name__} has no gates fail_max_abs, fail_cast_overflow or fail_all_zero")
     for value, param in ((fail_above, "--fail-above"), (fail_rel_above, "--fail-rel-above")):
         if value is not None and not value >= 0:
             raise UsageError(f"must be a number >= 0 (a norm is never negative), got {value}", None, param)
@@ -467,6 +505,30 @@ def failures(
         limits = diff.DiffLimits(fail_above, fail_rel_above, fail_different)
         diff.check_measured(report, limits)
         return diff.failures(report, limits)
-    gates = {NormReport: "fail_above and fail_nonfinite", DiffReport: "fail_above, fail_rel_above and fail_different"}
+    gates = {
+        NormReport: "fail_above and fail_nonfinite",
+        DiffReport: "fail_above, fail_rel_above and fail_different",
+        StatsReport: "fail_max_abs, fail_cast_overflow, fail_all_zero and fail_nonfinite",
+    }
     have = next((f"has the gates {g}" for kind, g in gates.items() if isinstance(report, kind)), "has no gates")
     raise TypeError(f"a {type(report).__name__} {have}")
+
+
+def _stats_failures(
+    report: StatsReport, max_abs: float | None, cast_overflow: str | None, all_zero: bool, nonfinite: bool
+) -> list[str]:
+    """`failures` of a `stats_of` report."""
+    from clipcli.commands import stats
+
+    if max_abs is not None and not max_abs >= 0:
+        raise UsageError(
+            f"must be a number >= 0 (a magnitude is never negative), got {max_abs}", None, "--fail-max-abs"
+        )
+    if cast_overflow is not None:
+        stats.check_casts([cast_overflow], "--fail-cast-overflow")
+    limits = stats.StatsLimits(max_abs, cast_overflow, all_zero, nonfinite)
+    if not limits.gates:
+        return []
+    for c in report.checkpoints:
+        stats.check_measured(c, limits)
+    return stats.failures(report, limits)

@@ -453,3 +453,49 @@ Manifest = Annotated[
 Values = Annotated[
     bool, typer.Option("--values", help="Also read the values: NaN, Inf and all-zero floating tensors are findings.")
 ]
+
+
+class StatsSortKey(str, Enum):
+    name = "name"
+    size = "size"
+    max_abs = "max_abs"
+    std = "std"
+    zeros = "zeros"
+    nonfinite = "nonfinite"
+    overflow = "overflow"
+
+
+StatsSort = Annotated[
+    StatsSortKey | None,
+    typer.Option(
+        "--sort",
+        metavar="KEY",
+        help="Order the rows by name, size, max_abs, std, zeros, nonfinite (NaN and Inf) or overflow (values that "
+        "would overflow a cast target); all but name largest first.",
+    ),
+]
+Cast = Annotated[
+    str | None,
+    typer.Option(
+        "--cast",
+        metavar="DTYPES",
+        help="Cast targets to check, comma-separated among float16, bfloat16, float8_e4m3fn, float8_e5m2 (default: "
+        "per tensor those narrower than its dtype).",
+    ),
+]
+FailMaxAbs = Annotated[
+    str | None,
+    typer.Option("--fail-max-abs", metavar="X", help="Exit 1 if a selected floating tensor holds |x| > X, or NaN."),
+]
+FailCastOverflow = Annotated[
+    str | None,
+    typer.Option(
+        "--fail-cast-overflow",
+        metavar="DTYPE",
+        help="Exit 1 if a value of a selected floating tensor would overflow a cast to DTYPE (measured for every "
+        "floating tensor, whatever --cast says).",
+    ),
+]
+FailAllZero = Annotated[
+    bool, typer.Option("--fail-all-zero", help="Exit 1 if a selected floating tensor is all zeros (a broken adapter).")
+]

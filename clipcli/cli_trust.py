@@ -1,4 +1,4 @@
-"""The commands that answer "can I trust this checkpoint?": hash, verify (and stats)."""
+"""The commands that answer "can I trust this checkpoint?": hash, stats and verify."""
 
 # No `from __future__ import annotations` here: Typer reads the commands' annotations at every run.
 
@@ -51,6 +51,68 @@ def hash_(
                 with ckpt:
                     hashed.append(command.hash_checkpoint(ckpt, options, progress))
         emit(HashReport(tuple(hashed)), fmt, quiet)
+
+
+@app.command(
+    "stats",
+    cls=opts.Command,
+    epilog=opts.examples(
+        "clipcli stats model.safetensors --sort max_abs --top 10",
+        "clipcli stats model.safetensors --fail-cast-overflow float16 --quiet",
+        "clipcli stats adapter.safetensors --fail-all-zero --fail-nonfinite --format json",
+    ),
+)
+def stats(
+    checkpoints: opts.Checkpoints,
+    cast: opts.Cast = None,
+    depth: opts.Depth = None,
+    sort: opts.StatsSort = None,
+    top: opts.Top = None,
+    fail_max_abs: opts.FailMaxAbs = None,
+    fail_cast_overflow: opts.FailCastOverflow = None,
+    fail_all_zero: opts.FailAllZero = False,
+    fail_nonfinite: opts.FailNonfinite = False,
+    jobs: opts.Jobs = None,
+    include: opts.Include = None,
+    exclude: opts.Exclude = None,
+    fmt: opts.FormatOpt = opts.Format.table,
+    quiet: opts.Quiet = False,
+    debug: opts.Debug = False,
+) -> None:
+    """Is every value sane, and will it survive a cast? Per tensor, exact: count, min, max, max |x| and where,
+    mean and std, zeros, subnormals, NaN, +Inf, -Inf, a histogram of binary exponents (one character per
+    binade in the table), all-zero and constant flags, and per cast target the values that would overflow,
+    flush to zero or land subnormal, and the relative error of the cast.
+
+    Integer and bool tensors get their exact figures (no casts, no histogram); types carried as bytes and
+    tensors without values are skipped with the reason. A gate looks at the selected floating tensors and
+    never passes because nothing was measured: with none selected it is a usage error (exit 2).
+    """
+    with handled_errors(debug, "stats"):
+        limit = None if fail_max_abs is None else opts.parse_limit(fail_max_abs, "--fail-max-abs")
+        from clipcli.checkpoint import open_checkpoint
+        from clipcli.commands import gates
+        from clipcli.commands import stats as command
+        from clipcli.report.stats import StatsReport
+
+        casts = None if cast is None else command.check_casts([c.strip() for c in cast.split(",")], "--cast")
+        gate_cast = (
+            () if fail_cast_overflow is None else command.check_casts([fail_cast_overflow], "--fail-cast-overflow")
+        )
+        limits = command.StatsLimits(limit, fail_cast_overflow, fail_all_zero, fail_nonfinite, fail_max_abs)
+        opened = [open_checkpoint(path) for path in checkpoints]
+        selection = selection_of(include, exclude, *opened)
+        options = command.StatsOptions(selection, casts, gate_cast, depth, sort and sort.value, top, worker_count(jobs))
+        measured = []
+        with progress_bar(sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
+            for ckpt in opened:
+                with ckpt:
+                    one = command.stats(ckpt, options, progress)
+                    command.check_measured(one, limits)
+                    measured.append(one)
+        report = StatsReport(tuple(measured))
+        emit(report, fmt, quiet)
+        exit_on_gate(gates.failure(command.failures(report, limits), len(measured)))
 
 
 @app.command(

@@ -131,6 +131,16 @@ def share_bar(share: float | None, width: int = 8) -> str:
     return f"{bar:<{width}} {share * 100:5.1f}%"
 
 
+_LEVELS = " ▁▂▃▄▅▆▇█"
+_ASCII_LEVELS = " .:-=+*#@"
+
+
+def histogram(levels: Sequence[int]) -> str:
+    """One character per level in [0, 8] (0: none), as rising blocks, or ASCII where the output cannot show them."""
+    chars = _LEVELS if _holds(_ENCODING.get(), _LEVELS) else _ASCII_LEVELS
+    return "".join(chars[n] for n in levels)
+
+
 @functools.lru_cache
 def _holds(encoding: str, text: str) -> bool:
     """Whether `encoding` holds `text`."""

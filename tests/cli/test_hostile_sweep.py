@@ -512,6 +512,7 @@ COMMANDS: dict[str, list[str]] = {
     "convert": ["convert", "F", "-o", "out.safetensors"],
     "clip-global-norm": ["clip-global-norm", "F", "-o", "out.safetensors", "--clip-norm", "1"],
     "clip-value-dry-run": ["clip-value", "F", "--min", "-1", "--max", "1", "--dry-run"],
+    "stats-json": ["stats", "F", "--format", "json", "--depth", "1"],
 }
 
 # Files every command refuses as it opens them: the report's format is never reached, so `--format json`

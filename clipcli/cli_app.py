@@ -46,9 +46,9 @@ def _root(
 ) -> None:
     """Inspect checkpoint tensors, report their norms, and clip them exactly as TensorFlow does.
 
-    Exit status: 0 success, 1 a check failed (--fail-above, --fail-nonfinite, a clip whose norm is not
-    finite), 2 usage error, 3 unreadable input, 4 output or report not written, 70 internal error; Ctrl-C and
-    SIGTERM end it by the signal (130, 143 in a shell).
+    Exit status: 0 success, 1 a check failed (a --fail-* gate, a clip whose norm is not finite, a defect or
+    difference verify found), 2 usage error, 3 unreadable input, 4 output or report not written, 70 internal
+    error; Ctrl-C and SIGTERM end it by the signal (130, 143 in a shell).
     """
 
 

@@ -101,6 +101,38 @@ def test_the_ci_snippet_tells_exploded_gradients_from_a_broken_file(workdir, tmp
     }
 
 
+def test_the_trust_ci_recipe_runs_and_catches_a_changed_tensor(workdir, tmp_path):
+    # the README's "Can I trust this checkpoint?" CI block, run as it is from the repository's root
+    text = README.read_text()
+    snippet = re.search(r"## Can I trust this checkpoint\?.*?```sh\n(.*?)```", text, re.S).group(1)
+    root = tmp_path / "root"
+    shutil.copytree(workdir / "samples", root / "samples")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def recipe(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", script], cwd=root, env=env, capture_output=True, text=True, check=False)
+
+    done = recipe(snippet)
+    assert done.returncode == 0, done.stderr
+    assert (root / "model.manifest.json").exists() and (root / "model.safetensors").exists()
+    # a "conversion" that changed the values: verify names the file and exits 1
+    changed = snippet.replace(
+        "clipcli convert samples/pytorch_model.bin -o model.safetensors --quiet",
+        "clipcli clip-value samples/pytorch_model.bin -o model.safetensors --min -0.001 --max 0.001 --quiet",
+    )
+    assert changed != snippet
+    done = recipe(changed)
+    assert done.returncode == 1 and "model.safetensors" in done.stderr and "changed" in done.stderr
+    # values a float16 cast cannot hold: the stats gate exits 1
+    big = snippet.replace(
+        "clipcli convert samples/pytorch_model.bin -o model.safetensors --quiet",
+        "clipcli clip-value samples/pytorch_model.bin -o model.safetensors --min 1e5 --max 1e6 --quiet && "
+        "clipcli hash model.safetensors --format json > model.manifest.json",
+    )
+    done = recipe(big)
+    assert done.returncode == 1 and "float16" in done.stderr
+
+
 def test_the_python_examples_run(workdir):
     section = re.search(r"## From Python\n(.*?)\n## ", README.read_text(), re.S).group(1)
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)

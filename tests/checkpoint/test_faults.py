@@ -168,7 +168,7 @@ def test_internal_error_is_70_with_one_line(files):
     code = (
         "import sys, clipcli.commands.global_norm as c\n"
         "def boom(*a, **k): raise RuntimeError('boom')\n"
-        "c.global_norm = boom\n"
+        "c.norm_report = boom\n"
         "from clipcli.cli import main\n"
         "main(sys.argv[1:])\n"
     )

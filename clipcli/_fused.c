@@ -17,11 +17,14 @@
  *   over rows r of A and B, with d = a - b in float64 (rounded once at most: exact unless a and b lie
  *   some 29 binades apart); returns how many d are not 0 and the largest |d|. For finite values: NaN or inf in a row makes its sums NaN or inf, and the counts
  *   are then of no use.
+ * stats_f32(x, out, errors): the statistics of float32 values, exact where they are counts and sums (see
+ *   the stats section below for the layout of `out`, int64, and `errors`, float64 rows of nine block sums).
  * All release the GIL while they run.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef double v4d __attribute__((vector_size(32)));
@@ -185,7 +188,7 @@ static const pair_fn PAIR_ROWS[3][3] = {
     {pairs_f16_f32, pairs_f16_bf16, pairs_f16_f16},
 };
 
-/* A C-contiguous buffer of native `format` ('d', 'f' or 'H'); writable if asked. */
+/* A C-contiguous buffer of native `format` ('d', 'f', 'H', or 'q': int64); writable if asked. */
 static int get_buffer(PyObject *obj, Py_buffer *view, const char *format, int writable) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0)
@@ -193,6 +196,8 @@ static int get_buffer(PyObject *obj, Py_buffer *view, const char *format, int wr
     const char *f = view->format;
     if (f[0] == '@' || f[0] == '=')
         f++;
+    if (format[0] == 'q' && (f[0] == 'l' || f[0] == 'q') && f[1] == 0 && view->itemsize == 8)
+        return 0; /* an int64 buffer: 'l' or 'q' by platform */
     if (strcmp(f, format) != 0 || view->itemsize != (format[0] == 'd' ? 8 : format[0] == 'f' ? 4 : 2)) {
         PyErr_Format(PyExc_TypeError, "expected a contiguous buffer of format '%s', got '%s'", format, view->format);
         PyBuffer_Release(view);
@@ -215,6 +220,277 @@ static int get_buffers(int n, PyObject *const *objs, const char *const *formats,
 static void release_buffers(int n, Py_buffer *views) {
     for (int i = 0; i < n; i++)
         PyBuffer_Release(&views[i]);
+}
+
+/* --- stats_f32 ----------------------------------------------------------------------------------------
+ *
+ * One pass over float32 values, given as their bits u (a magnitude bits: u & 0x7FFFFFFF; E = u >> 23 & 0xFF,
+ * the biased exponent; the significand m = u & 0x7FFFFF, with 1 << 23 added where E > 0, so that a finite
+ * value is +-m * 2**(max(E, 1) - 150)). Into `out` (int64, STATS_LEN, overwritten):
+ *   [0, 256)      values per E (E = 0: zeros and subnormals; 255: inf and NaN);
+ *   [256, 512)    per E, the sum of +-m (exact: an int64 can hold 2**31 values' sums);
+ *   [512, 768), [768, 1024): per E, the sum of m*m, its low and high 64 bits (an unsigned 128-bit sum);
+ *   [1024, 1047)  subnormals by the bit length of m, less one (k: m in [2**k, 2**(k + 1)));
+ *   then NaN, +inf, -inf, zeros (+-0), subnormals; the smallest and largest value as ordered keys (u ^
+ *   (u >> 31 & 0x7FFFFFFF) as int32: an involution whose signed order is the values' order) and the largest
+ *   magnitude's bits and its first index (-1: no value but NaN); then per cast target (float16, bfloat16,
+ *   float8_e4m3fn, float8_e5m2, in turn): the finite values that overflow, the non-zero values that flush
+ *   to zero, the values that land subnormal.
+ * The sums per E go through int64 bins of four copies (value i to copy i % 4, so that runs of one binade do
+ * not wait on one another), the count and the sum of a bin packed as count * 2**41 + sum; the bins are
+ * emptied into 128-bit totals every 2**16 values, before any could overflow.
+ * Casts round to nearest even: a target's threshold on the magnitude bits decides each count. The rounded
+ * value r is taken from the bits (RNE by integer addition, carries into the exponent included), or, below
+ * the target's smallest normal, as (|x| + C) - C in float32, C the target's smallest subnormal times 2**23.
+ * |x| - r is exact in float32, its square in float64. Per block of BLOCK values (the input starts a block)
+ * `errors` gets a row (the last block may be shorter), each sum in the eight lanes' order of the header:
+ *   [0] the sum of x*x over the values of magnitude 464 or less (float8_e4m3fn's overflow lies above: no
+ *       target's overflows one of them);
+ *   [1 + t] the sum of (|x| - r)**2 for target t over the values that do not overflow it;
+ *   [5 + t] the sum of x*x over the values above 464 that do not overflow target t (so that the norm of
+ *       those a target keeps is the exact sum of two sums of non-negative terms: no cancellation).
+ */
+#define STATS_BLOCK 8192
+#define TARGETS 4
+#define SUBNORMAL_BINS 23
+enum {
+    OUT_COUNTS = 0, OUT_SUMS = 256, OUT_SQ_LO = 512, OUT_SQ_HI = 768, OUT_SUBNORMAL = 1024,
+    OUT_NAN = OUT_SUBNORMAL + SUBNORMAL_BINS, OUT_POSINF, OUT_NEGINF, OUT_ZEROS, OUT_SUBNORMALS, OUT_MIN, OUT_MAX,
+    OUT_PEAK, OUT_PEAK_AT, OUT_CASTS, STATS_LEN = OUT_CASTS + 3 * TARGETS,
+};
+#define ERROR_SUMS 9
+#define FLUSH_VALUES (1 << 16)
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* Per target, float32 magnitude bits: dropped bits of a normal value; the smallest normal (0: none below
+ * float32's own); C; overflow from; flush up to; normal from (checked against ml_dtypes by the tests). */
+static const uint32_t DROP[TARGETS] = {13, 16, 20, 21};
+static const uint32_t TINY[TARGETS] = {0x38800000, 0x800000, 0x3C800000, 0x38800000};
+static const uint32_t OVER[TARGETS] = {0x477FF000, 0x7F7F8000, 0x43E80001, 0x47700000};
+static const uint32_t FLUSH[TARGETS] = {0x33000000, 0x8000, 0x3A800000, 0x37000000};
+static const uint32_t NORMAL[TARGETS] = {0x387FE000, 0x7F8000, 0x3C700000, 0x38600000};
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define STATS_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define STATS_CLONES
+#endif
+#define OVER_LEAST 0x43E80001u /* float8_e4m3fn's */
+
+typedef struct {
+    int64_t packed[4][256];
+    uint64_t squares[4][256];
+    int64_t counts[256], sums[256];
+    unsigned __int128 square_sums[256];
+    int64_t subnormal[SUBNORMAL_BINS];
+} stats_bins;
+
+/* Whether any lane of a mask is set (one test of the whole vector, not eight extractions). */
+static inline int any_lane(v8i m) {
+    uint64_t w[4];
+    memcpy(w, &m, sizeof w);
+    return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
+static inline v8i select8(v8i m, v8i a, v8i b) { return (m & a) | (~m & b); }
+static inline v8u select8u(v8i m, v8u a, v8u b) { return ((v8u)m & a) | (~(v8u)m & b); }
+
+static inline v4d low4(v8f f) { return (v4d){f[0], f[1], f[2], f[3]}; }
+static inline v4d high4(v8f f) { return (v4d){f[4], f[5], f[6], f[7]}; }
+
+static void empty_bins(stats_bins *b) {
+    for (int c = 0; c < 4; c++)
+        for (int e = 0; e < 256; e++) {
+            int64_t v = b->packed[c][e], n = (v + ((int64_t)1 << 40)) >> 41;
+            b->counts[e] += n;
+            b->sums[e] += v - (n << 41);
+            b->square_sums[e] += b->squares[c][e];
+            b->packed[c][e] = 0;
+            b->squares[c][e] = 0;
+        }
+}
+
+/* The sum of x*x (x8: eight float32 values) into lanes p, q. */
+#define ADD_SQUARES(p, q, x8)                                                                                  \
+    do {                                                                                                       \
+        v4d lo_ = low4(x8), hi_ = high4(x8);                                                                   \
+        p += lo_ * lo_;                                                                                        \
+        q += hi_ * hi_;                                                                                        \
+    } while (0)
+
+STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t *out, double *errors, stats_bins *bins) {
+    v8i zeros = {0}, subnormals = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
+    v8f lo = {0}, hi = {0};
+    const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+    const float inf = __builtin_inff();
+    int64_t nan = 0, posinf = 0, neginf = 0, over[TARGETS] = {0};
+    int32_t best = -1;
+    Py_ssize_t best_block = 0;
+    lo += inf;
+    hi -= inf;
+    peak -= 1;
+    Py_ssize_t since_flush = 0;
+    for (Py_ssize_t start = 0; start < n; start += STATS_BLOCK) {
+        Py_ssize_t end = start + STATS_BLOCK < n ? start + STATS_BLOCK : n;
+        v4d base0 = {0}, base1 = {0}, err0[TARGETS] = {{0}}, err1[TARGETS] = {{0}}, over0[TARGETS] = {{0}},
+            over1[TARGETS] = {{0}};
+        for (Py_ssize_t i = start; i < end; i += 8) {
+            v8u u = {0};
+            int k = end - i < 8 ? (int)(end - i) : 8;
+            if (k == 8)
+                memcpy(&u, x + i, sizeof u);
+            else
+                memcpy(&u, x + i, (size_t)k * 4); /* a block's last values padded with zeros */
+            v8u mag = u & 0x7FFFFFFF, less = mag - 1, expo = mag & 0x7F800000; /* less: 0 wraps round */
+            v8f fm = (v8f)mag, xf = (v8f)u;
+            v8i is_sub = (v8i)(less < 0x7FFFFF);
+            subnormals += is_sub;
+            for (int t = 0; t < TARGETS; t++) {
+                below_flush[t] += (v8i)(less < FLUSH[t]);
+                below_normal[t] += (v8i)(less < NORMAL[t] - 1);
+            }
+            if (k == 8 && !any_lane((v8i)(mag >= OVER_LEAST))) { /* no inf, NaN or overflow: no masks */
+                zeros += (v8i)(mag == 0);
+                lo = (v8f)select8((v8i)(xf < lo), (v8i)xf, (v8i)lo);
+                hi = (v8f)select8((v8i)(xf > hi), (v8i)xf, (v8i)hi);
+                peak = select8((v8i)mag > peak, (v8i)mag, peak);
+                ADD_SQUARES(base0, base1, fm);
+                for (int t = 0; t < TARGETS; t++) {
+                    v8u c = select8u(expo > TINY[t], expo, (v8u){0} + TINY[t]) + (DROP[t] << 23);
+                    v8f d = fm - ((fm + (v8f)c) - (v8f)c);
+                    ADD_SQUARES(err0[t], err1[t], d);
+                }
+            } else {
+                v8i valid = iota < k, number = (v8i)(mag <= 0x7F800000) & valid;
+                zeros += (v8i)(mag == 0) & valid;
+                lo = (v8f)select8(number & (v8i)(xf < lo), (v8i)xf, (v8i)lo);
+                hi = (v8f)select8(number & (v8i)(xf > hi), (v8i)xf, (v8i)hi);
+                peak = select8(number & ((v8i)mag > peak), (v8i)mag, peak);
+                for (int j = 0; j < k; j++) {
+                    nan += mag[j] > 0x7F800000;
+                    posinf += u[j] == 0x7F800000;
+                    neginf += u[j] == 0xFF800000;
+                    for (int t = 0; t < TARGETS; t++)
+                        over[t] += mag[j] >= OVER[t] && mag[j] < 0x7F800000;
+                }
+                v8f kept = (v8f)((v8i)fm & (v8i)(mag < OVER_LEAST));
+                ADD_SQUARES(base0, base1, kept);
+                for (int t = 0; t < TARGETS; t++) {
+                    uint32_t drop = DROP[t];
+                    v8u c = select8u(expo > TINY[t], expo, (v8u){0} + TINY[t]) + (drop << 23);
+                    v8u bits = (mag + ((1u << (drop - 1)) - 1) + ((mag >> drop) & 1)) & ~((1u << drop) - 1);
+                    v8f r = (v8f)select8((v8i)(c >= 0x7F800000), (v8i)bits, (v8i)((fm + (v8f)c) - (v8f)c));
+                    v8f d = (v8f)((v8i)(fm - r) & (v8i)(mag < OVER[t]));
+                    ADD_SQUARES(err0[t], err1[t], d);
+                    v8f o = (v8f)((v8i)fm & (v8i)(mag >= OVER_LEAST) & (v8i)(mag < OVER[t]));
+                    ADD_SQUARES(over0[t], over1[t], o);
+                }
+            }
+            if (any_lane(is_sub))
+                for (int j = 0; j < 8; j++)
+                    if (is_sub[j])
+                        bins->subnormal[31 - __builtin_clz(mag[j])]++;
+            v8u e = u >> 23 & 0xFF, sig = (u & 0x7FFFFF) | ((v8u)(e != 0) & 0x800000);
+            v8i neg = (v8i)u >> 31, signed_sig = ((v8i)sig ^ neg) - neg;
+            for (int j = 0; j < k; j++) {
+                bins->packed[j & 3][e[j]] += (int64_t)signed_sig[j] + ((int64_t)1 << 41);
+                bins->squares[j & 3][e[j]] += (uint64_t)sig[j] * sig[j];
+            }
+        }
+        double *row = errors + (start / STATS_BLOCK) * ERROR_SUMS;
+        row[0] = lanes_sum(base0, base1);
+        for (int t = 0; t < TARGETS; t++) {
+            row[1 + t] = lanes_sum(err0[t], err1[t]);
+            row[5 + t] = lanes_sum(over0[t], over1[t]);
+        }
+        for (int j = 0; j < 8; j++)
+            if (peak[j] > best) { /* the first block where the largest magnitude so far appears */
+                best = peak[j];
+                best_block = start;
+            }
+        since_flush += end - start;
+        if (since_flush >= FLUSH_VALUES || end == n) {
+            empty_bins(bins);
+            since_flush = 0;
+        }
+    }
+    int64_t *o = out;
+    for (int e = 0; e < 256; e++) {
+        o[OUT_COUNTS + e] = bins->counts[e];
+        o[OUT_SUMS + e] = bins->sums[e];
+        o[OUT_SQ_LO + e] = (int64_t)(uint64_t)bins->square_sums[e];
+        o[OUT_SQ_HI + e] = (int64_t)(uint64_t)(bins->square_sums[e] >> 64);
+    }
+    for (int k = 0; k < SUBNORMAL_BINS; k++)
+        o[OUT_SUBNORMAL + k] = bins->subnormal[k];
+    int64_t counts[3 * TARGETS + 2] = {0};
+    float low = inf, high = -inf;
+    for (int j = 0; j < 8; j++) {
+        counts[0] += -zeros[j];
+        counts[1] += -subnormals[j];
+        for (int t = 0; t < TARGETS; t++) {
+            counts[2 + t] -= below_flush[t][j];
+            counts[2 + TARGETS + t] -= below_normal[t][j];
+        }
+        low = lo[j] < low ? lo[j] : low;
+        high = hi[j] > high ? hi[j] : high;
+    }
+    o[OUT_NAN] = nan;
+    o[OUT_POSINF] = posinf;
+    o[OUT_NEGINF] = neginf;
+    o[OUT_ZEROS] = counts[0];
+    o[OUT_SUBNORMALS] = counts[1];
+    uint32_t bits;
+    memcpy(&bits, &low, sizeof bits);
+    o[OUT_MIN] = bits;
+    memcpy(&bits, &high, sizeof bits);
+    o[OUT_MAX] = bits;
+    o[OUT_PEAK] = best;
+    o[OUT_PEAK_AT] = -1;
+    for (Py_ssize_t i = best_block; best >= 0; i++) {
+        memcpy(&bits, x + i, sizeof bits);
+        if ((int32_t)(bits & 0x7FFFFFFF) == best) {
+            o[OUT_PEAK_AT] = i;
+            break;
+        }
+    }
+    for (int t = 0; t < TARGETS; t++) {
+        o[OUT_CASTS + 3 * t] = over[t];
+        o[OUT_CASTS + 3 * t + 1] = counts[2 + t];
+        o[OUT_CASTS + 3 * t + 2] = counts[2 + TARGETS + t] - counts[2 + t];
+    }
+}
+
+static PyObject *stats_f32(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2]))
+        return NULL;
+    Py_buffer v[3]; /* x, out, errors */
+    const char *formats[2] = {"f", "q"};
+    if (get_buffers(2, objs, formats, v) < 0)
+        return NULL;
+    if (get_buffer(objs[2], &v[2], "d", 1) < 0) {
+        release_buffers(2, v);
+        return NULL;
+    }
+    Py_ssize_t n = v[0].len / 4, blocks = (n + STATS_BLOCK - 1) / STATS_BLOCK;
+    PyObject *result = NULL;
+    stats_bins *bins = NULL;
+    if (v[1].len != STATS_LEN * 8 || v[2].len != blocks * ERROR_SUMS * 8 || n >= ((Py_ssize_t)1 << 31))
+        PyErr_SetString(PyExc_ValueError, "stats_f32 takes fewer than 2**31 values, STATS_LEN counts and nine sums a block");
+    else if ((bins = calloc(1, sizeof *bins)) == NULL)
+        PyErr_NoMemory();
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        stats_loop(v[0].buf, n, v[1].buf, v[2].buf, bins);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    free(bins);
+    release_buffers(3, v);
+    return result;
 }
 
 /* The buffer format of a kind of values; NULL (an error set) for no kind. */
@@ -318,6 +594,9 @@ static PyMethodDef methods[] = {
     {"pair_sums", pair_sums, METH_VARARGS,
      "pair_sums(a, b, out, kind_a, kind_b) -> (changed, top): per row, the sums of d*d, a*a, b*b and a*b "
      "(d = a - b); how many d are not 0, and the largest |d|."},
+    {"stats_f32", stats_f32, METH_VARARGS,
+     "stats_f32(x, out, errors): counts, exact sums per exponent and cast counts of float32 values into out "
+     "(int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c)."},
     {NULL, NULL, 0, NULL},
 };
 

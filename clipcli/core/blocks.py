@@ -260,6 +260,29 @@ def fused_pair_sums(a: np.ndarray, b: np.ndarray, rows: np.ndarray, kinds: tuple
     return _fused.pair_sums(_fused_view(a, kinds[0]), _fused_view(b, kinds[1]), rows, *kinds)
 
 
+# `_fused.stats_f32`'s output: its length, and where its counts lie (see clipcli/_fused.c).
+STATS_LEN = 1068
+STATS_SUBNORMAL = 1024
+STATS_SCALARS = 1047
+# Values one `_fused.stats_f32` call takes at most (its counts are int64 sums of fewer than 2**31 values).
+STATS_CALL = 1 << 26
+
+
+def fused_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """`_fused.stats_f32` of flat float32 values (starting a block): its counts, and nine sums per block.
+
+    Returns:
+        (out, errors): `out` (int64, `STATS_LEN`) and `errors` (float64, a row of nine per block) laid out
+        as clipcli/_fused.c says; None for values of another dtype, or when `_fused` was not built.
+    """
+    if _fused is None or x.dtype != np.float32 or x.size >= STATS_CALL:
+        return None
+    out = np.empty(STATS_LEN, np.int64)
+    errors = np.empty(((x.size + BLOCK - 1) // BLOCK, 9))
+    _fused.stats_f32(np.ascontiguousarray(x), out, errors)
+    return out, errors
+
+
 def _fused_view(x: np.ndarray, kind: int) -> np.ndarray:
     """Values of a `_fused` kind as its loops read them: float32 as they are, 16-bit floats as their bits."""
     x = np.ascontiguousarray(x)

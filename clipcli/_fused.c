@@ -17,8 +17,8 @@
  *   over rows r of A and B, with d = a - b in float64 (rounded once at most: exact unless a and b lie
  *   some 29 binades apart); returns how many d are not 0 and the largest |d|. For finite values: NaN or inf in a row makes its sums NaN or inf, and the counts
  *   are then of no use.
- * stats_f32(x, out, errors): the statistics of float32 values, exact where they are counts and sums (see
- *   the stats section below for the layout of `out`, int64, and `errors`, float64 rows of nine block sums).
+ * stats_f32(x, out, errors, start): the statistics of float32 values, exact where they are counts and sums,
+ *   added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
  * All release the GIL while they run.
  */
 #define PY_SSIZE_T_CLEAN
@@ -226,16 +226,17 @@ static void release_buffers(int n, Py_buffer *views) {
  *
  * One pass over float32 values, given as their bits u (a magnitude bits: u & 0x7FFFFFFF; E = u >> 23 & 0xFF,
  * the biased exponent; the significand m = u & 0x7FFFFF, with 1 << 23 added where E > 0, so that a finite
- * value is +-m * 2**(max(E, 1) - 150)). Into `out` (int64, STATS_LEN, overwritten):
+ * value is +-m * 2**(max(E, 1) - 150)). Added into `out` (int64, STATS_LEN: a running total over calls;
+ * fresh, it holds zeros but for the smallest value, +inf's bits, the largest, -inf's, and the peak, -1):
  *   [0, 256)      values per E (E = 0: zeros and subnormals; 255: inf and NaN);
- *   [256, 512)    per E, the sum of +-m (exact: an int64 can hold 2**31 values' sums);
+ *   [256, 512)    per E, the sum of +-m (int64: exact for 2**39 values);
  *   [512, 768), [768, 1024): per E, the sum of m*m, its low and high 64 bits (an unsigned 128-bit sum);
  *   [1024, 1047)  subnormals by the bit length of m, less one (k: m in [2**k, 2**(k + 1)));
- *   then NaN, +inf, -inf, zeros (+-0), subnormals; the smallest and largest value as ordered keys (u ^
- *   (u >> 31 & 0x7FFFFFFF) as int32: an involution whose signed order is the values' order) and the largest
- *   magnitude's bits and its first index (-1: no value but NaN); then per cast target (float16, bfloat16,
- *   float8_e4m3fn, float8_e5m2, in turn): the finite values that overflow, the non-zero values that flush
- *   to zero, the values that land subnormal.
+ *   then NaN, +inf, -inf, zeros (+-0), subnormals; the float32 bits of the smallest and the largest value
+ *   (NaN aside); the largest magnitude's bits and its first flat index (`start` is the first value's; the
+ *   one seen first is kept on a tie, whatever the order of the calls); then per cast target (float16,
+ *   bfloat16, float8_e4m3fn, float8_e5m2, in turn): the finite values that overflow, the non-zero values
+ *   that flush to zero, the values that land subnormal.
  * The sums per E go through int64 bins of four copies (value i to copy i % 4, so that runs of one binade do
  * not wait on one another), the count and the sum of a bin packed as count * 2**41 + sum; the bins are
  * emptied into 128-bit totals every 2**16 values, before any could overflow.
@@ -320,7 +321,8 @@ static void empty_bins(stats_bins *b) {
         q += hi_ * hi_;                                                                                        \
     } while (0)
 
-STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t *out, double *errors, stats_bins *bins) {
+STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start, int64_t *out, double *errors,
+                             stats_bins *bins) {
     v8i zeros = {0}, subnormals = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
     v8f lo = {0}, hi = {0};
     const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -332,11 +334,11 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t *out, 
     hi -= inf;
     peak -= 1;
     Py_ssize_t since_flush = 0;
-    for (Py_ssize_t start = 0; start < n; start += STATS_BLOCK) {
-        Py_ssize_t end = start + STATS_BLOCK < n ? start + STATS_BLOCK : n;
+    for (Py_ssize_t first = 0; first < n; first += STATS_BLOCK) {
+        Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
         v4d base0 = {0}, base1 = {0}, err0[TARGETS] = {{0}}, err1[TARGETS] = {{0}}, over0[TARGETS] = {{0}},
             over1[TARGETS] = {{0}};
-        for (Py_ssize_t i = start; i < end; i += 8) {
+        for (Py_ssize_t i = first; i < end; i += 8) {
             v8u u = {0};
             int k = end - i < 8 ? (int)(end - i) : 8;
             if (k == 8)
@@ -399,7 +401,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t *out, 
                 bins->squares[j & 3][e[j]] += (uint64_t)sig[j] * sig[j];
             }
         }
-        double *row = errors + (start / STATS_BLOCK) * ERROR_SUMS;
+        double *row = errors + (first / STATS_BLOCK) * ERROR_SUMS;
         row[0] = lanes_sum(base0, base1);
         for (int t = 0; t < TARGETS; t++) {
             row[1 + t] = lanes_sum(err0[t], err1[t]);
@@ -408,9 +410,9 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t *out, 
         for (int j = 0; j < 8; j++)
             if (peak[j] > best) { /* the first block where the largest magnitude so far appears */
                 best = peak[j];
-                best_block = start;
+                best_block = first;
             }
-        since_flush += end - start;
+        since_flush += end - first;
         if (since_flush >= FLUSH_VALUES || end == n) {
             empty_bins(bins);
             since_flush = 0;
@@ -418,15 +420,21 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t *out, 
     }
     int64_t *o = out;
     for (int e = 0; e < 256; e++) {
-        o[OUT_COUNTS + e] = bins->counts[e];
-        o[OUT_SUMS + e] = bins->sums[e];
-        o[OUT_SQ_LO + e] = (int64_t)(uint64_t)bins->square_sums[e];
-        o[OUT_SQ_HI + e] = (int64_t)(uint64_t)(bins->square_sums[e] >> 64);
+        unsigned __int128 q = ((unsigned __int128)(uint64_t)o[OUT_SQ_HI + e] << 64 | (uint64_t)o[OUT_SQ_LO + e]);
+        q += bins->square_sums[e];
+        o[OUT_COUNTS + e] += bins->counts[e];
+        o[OUT_SUMS + e] += bins->sums[e];
+        o[OUT_SQ_LO + e] = (int64_t)(uint64_t)q;
+        o[OUT_SQ_HI + e] = (int64_t)(uint64_t)(q >> 64);
     }
     for (int k = 0; k < SUBNORMAL_BINS; k++)
-        o[OUT_SUBNORMAL + k] = bins->subnormal[k];
+        o[OUT_SUBNORMAL + k] += bins->subnormal[k];
     int64_t counts[3 * TARGETS + 2] = {0};
-    float low = inf, high = -inf;
+    float low, high;
+    uint32_t bits = (uint32_t)o[OUT_MIN];
+    memcpy(&low, &bits, sizeof low);
+    bits = (uint32_t)o[OUT_MAX];
+    memcpy(&high, &bits, sizeof high);
     for (int j = 0; j < 8; j++) {
         counts[0] += -zeros[j];
         counts[1] += -subnormals[j];
@@ -437,35 +445,36 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t *out, 
         low = lo[j] < low ? lo[j] : low;
         high = hi[j] > high ? hi[j] : high;
     }
-    o[OUT_NAN] = nan;
-    o[OUT_POSINF] = posinf;
-    o[OUT_NEGINF] = neginf;
-    o[OUT_ZEROS] = counts[0];
-    o[OUT_SUBNORMALS] = counts[1];
-    uint32_t bits;
+    o[OUT_NAN] += nan;
+    o[OUT_POSINF] += posinf;
+    o[OUT_NEGINF] += neginf;
+    o[OUT_ZEROS] += counts[0];
+    o[OUT_SUBNORMALS] += counts[1];
     memcpy(&bits, &low, sizeof bits);
     o[OUT_MIN] = bits;
     memcpy(&bits, &high, sizeof bits);
     o[OUT_MAX] = bits;
-    o[OUT_PEAK] = best;
-    o[OUT_PEAK_AT] = -1;
     for (Py_ssize_t i = best_block; best >= 0; i++) {
         memcpy(&bits, x + i, sizeof bits);
-        if ((int32_t)(bits & 0x7FFFFFFF) == best) {
-            o[OUT_PEAK_AT] = i;
+        if ((int32_t)(bits & 0x7FFFFFFF) == best) { /* larger, or as large and earlier (chunks come in any order) */
+            if (best > o[OUT_PEAK] || (best == o[OUT_PEAK] && start + i < o[OUT_PEAK_AT])) {
+                o[OUT_PEAK] = best;
+                o[OUT_PEAK_AT] = start + i;
+            }
             break;
         }
     }
     for (int t = 0; t < TARGETS; t++) {
-        o[OUT_CASTS + 3 * t] = over[t];
-        o[OUT_CASTS + 3 * t + 1] = counts[2 + t];
-        o[OUT_CASTS + 3 * t + 2] = counts[2 + TARGETS + t] - counts[2 + t];
+        o[OUT_CASTS + 3 * t] += over[t];
+        o[OUT_CASTS + 3 * t + 1] += counts[2 + t];
+        o[OUT_CASTS + 3 * t + 2] += counts[2 + TARGETS + t] - counts[2 + t];
     }
 }
 
 static PyObject *stats_f32(PyObject *self, PyObject *args) {
     PyObject *objs[3];
-    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2]))
+    long long start;
+    if (!PyArg_ParseTuple(args, "OOOL", &objs[0], &objs[1], &objs[2], &start))
         return NULL;
     Py_buffer v[3]; /* x, out, errors */
     const char *formats[2] = {"f", "q"};
@@ -484,7 +493,7 @@ static PyObject *stats_f32(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
     else {
         Py_BEGIN_ALLOW_THREADS
-        stats_loop(v[0].buf, n, v[1].buf, v[2].buf, bins);
+        stats_loop(v[0].buf, n, start, v[1].buf, v[2].buf, bins);
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
@@ -595,8 +604,8 @@ static PyMethodDef methods[] = {
      "pair_sums(a, b, out, kind_a, kind_b) -> (changed, top): per row, the sums of d*d, a*a, b*b and a*b "
      "(d = a - b); how many d are not 0, and the largest |d|."},
     {"stats_f32", stats_f32, METH_VARARGS,
-     "stats_f32(x, out, errors): counts, exact sums per exponent and cast counts of float32 values into out "
-     "(int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c)."},
+     "stats_f32(x, out, errors, start): counts, exact sums per exponent and cast counts of float32 values added "
+     "into out (int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,11 +18,18 @@ from clipcli.core.blocks import (
     BlockParts,
     as_tensor,
     fused_stats,
+    fused_stats_ready,
+    fused_stats_state,
     is_floating,
     widen,
 )
 from clipcli.core.casts import CAST_TARGETS, cast, cast_counts, error_sums, precision
 from clipcli.core.exact import ExactSum, add_signed, int_quotient, int_root, ldexp, signed
+
+# `_fused.stats_f32`'s running counts are folded in before its int64 sums could overflow (2**39 values), and
+# its error sums once this many calls have left some.
+_FOLD_VALUES = 1 << 38
+_FOLD_CALLS = 64
 
 # frexp's exponents of float64 values lie in [-1073, 1024]: shifted by this, they index bins from 0.
 _OFFSET = 1100
@@ -124,6 +131,11 @@ class StatsAccumulator:
         self._errors = {t: ExactSum() for t in self.targets}
         self._above = {t: ExactSum() for t in self.targets}
         self._parts = BlockParts()  # values of blocks cut by chunk edges, for the cast errors
+        # float32 values' running counts from `_fused.stats_f32`, and its error sums not yet added: folded
+        # into the fields above by `_fold` (before a merge, a result, or a count its bins could not hold)
+        self._fused: np.ndarray | None = None
+        self._fused_count = 0
+        self._pending: list[np.ndarray] = []
 
     def add(self, values: Any, start: int) -> None:
         """Adds values of the tensor (any shape, taken in C order), the first at flat index `start`.
@@ -147,7 +159,7 @@ class StatsAccumulator:
         for a, b in ((0, head), (head + full, flat.size)):
             if b > a:
                 self._add_floats(flat[a:b], start + a, whole=False)
-        step = STATS_CALL // 2 if fused_stats(flat[:0]) is not None else PIECE  # _fused takes long runs
+        step = STATS_CALL // 2 if fused_stats_ready(flat.dtype) else PIECE  # _fused takes long runs
         for a in range(head, head + full, step):
             self._add_floats(flat[a : min(a + step, head + full)], start + a, whole=True)
 
@@ -159,6 +171,8 @@ class StatsAccumulator:
         """
         if (other.dtype, other.targets) != (self.dtype, self.targets):
             raise ValueError("cannot merge statistics of different dtypes or cast targets")
+        self._fold()
+        other._fold()
         self.count += other.count
         self.nan += other.nan
         self.posinf += other.posinf
@@ -181,6 +195,7 @@ class StatsAccumulator:
 
     def result(self) -> TensorStats:
         """The statistics of every value added so far (a block seen in part is taken as the tensor's tail)."""
+        self._fold()
         for x in self._parts.rest():
             self._add_block_errors(x)
         exponents, subnormals = self._exponents()
@@ -208,9 +223,8 @@ class StatsAccumulator:
 
     def _add_floats(self, x: np.ndarray, start: int, whole: bool) -> None:
         """Adds floating values from flat index `start`; `whole`: they are whole blocks, else a fragment."""
-        fused = fused_stats(x)
-        if fused is not None:
-            self._add_fused(x, start, whole, *fused)
+        if fused_stats_ready(x.dtype):
+            self._add_fused(x, start, whole)
             return
         self.count += x.size
         # A signalling NaN in the data raises "invalid" when converted; it is a NaN all the same.
@@ -232,17 +246,38 @@ class StatsAccumulator:
             if block is not None:
                 self._add_block_errors(block)
 
-    def _add_fused(self, x: np.ndarray, start: int, whole: bool, out: np.ndarray, errors: np.ndarray) -> None:
-        """Adds float32 values from flat index `start`, as `_fused.stats_f32` measured them (`out`, `errors`)."""
+    def _add_fused(self, x: np.ndarray, start: int, whole: bool) -> None:
+        """Adds float32 values from flat index `start` through `_fused.stats_f32`; `whole` as `_add_floats`'."""
+        if self._fused is None:
+            self._fused = fused_stats_state()
+        errors = fused_stats(x, self._fused, start)
         self.count += x.size
+        self._fused_count += x.size
+        if whole:
+            self._pending.append(errors)
+        else:
+            block = self._parts.add(start, x.copy())
+            if block is not None:
+                self._add_block_errors(block)
+        if self._fused_count >= _FOLD_VALUES or len(self._pending) >= _FOLD_CALLS:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Folds `_fused.stats_f32`'s running counts and error sums into the accumulator's own fields."""
+        if self._pending:
+            self._add_fused_errors(np.concatenate(self._pending))
+        self._pending = []
+        out, self._fused, self._fused_count = self._fused, None, 0
+        if out is None:
+            return
         nan, posinf, neginf, zeros, _, lo, hi, peak, index = out[STATS_SCALARS : STATS_SCALARS + 9].tolist()
         self.nan += nan
         self.posinf += posinf
         self.neginf += neginf
         self.zeros += zeros
-        if index >= 0:
+        if peak >= 0:  # a value that is not NaN
             lo, hi, peak = np.array([lo, hi, peak], np.uint32).view(np.float32).tolist()
-            self._extremes(lo + 0.0, hi + 0.0, peak, start + index)
+            self._extremes(lo + 0.0, hi + 0.0, peak, index)
         self._bins[_OFFSET - 125 : _OFFSET + 129] += out[1:255]  # float32's exponent fields 1-254
         self._bins[_OFFSET - 148 : _OFFSET - 125] += out[STATS_SUBNORMAL:STATS_SCALARS]
         self._bins[_OFFSET] += zeros + nan + posinf + neginf  # as frexp gives them, for `_exponents`
@@ -258,12 +293,6 @@ class StatsAccumulator:
         for t in self.targets:
             i = CAST_TARGETS.index(t)
             self._readiness[t] = [a + int(b) for a, b in zip(self._readiness[t], casts[i], strict=True)]
-        if whole:
-            self._add_fused_errors(errors)
-        else:
-            block = self._parts.add(start, x.copy())
-            if block is not None:
-                self._add_block_errors(block)
 
     def _count_nonfinite(self, w: np.ndarray, start: int) -> tuple[np.ndarray, int]:
         """Counts NaN and ±Inf and takes the extremes of the other values.
@@ -340,9 +369,8 @@ class StatsAccumulator:
 
     def _add_block_errors(self, x: np.ndarray) -> None:
         """Adds the cast errors of a block's values (or of a shorter run: the tensor's tail)."""
-        fused = fused_stats(x)
-        if fused is not None:
-            self._add_fused_errors(fused[1])
+        if fused_stats_ready(x.dtype):
+            self._add_fused_errors(fused_stats(x, fused_stats_state(), 0))  # its errors alone
         elif self.targets:
             self._add_error_sums(*error_sums(x, [cast(x, t) for t in self.targets]))
 

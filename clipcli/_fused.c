@@ -281,8 +281,8 @@ static const uint32_t NORMAL[TARGETS] = {0x387FE000, 0x7F8000, 0x3C700000, 0x386
 #define OVER_LEAST 0x43E80001u /* float8_e4m3fn's */
 
 typedef struct {
-    int64_t packed[4][256];
-    uint64_t squares[4][256];
+    int64_t packed[4][512]; /* by u >> 23: sign and E */
+    uint64_t squares[4][512];
     int64_t counts[256], sums[256];
     unsigned __int128 square_sums[256];
     int64_t subnormal[SUBNORMAL_BINS];
@@ -298,36 +298,58 @@ static inline int any_lane(v8i m) {
 static inline v8i select8(v8i m, v8i a, v8i b) { return (m & a) | (~m & b); }
 static inline v8u select8u(v8i m, v8u a, v8u b) { return ((v8u)m & a) | (~(v8u)m & b); }
 
-static inline v4d low4(v8f f) { return (v4d){f[0], f[1], f[2], f[3]}; }
-static inline v4d high4(v8f f) { return (v4d){f[4], f[5], f[6], f[7]}; }
+/* Eight float64 lanes (one AVX-512 register; two AVX2 ones): lane j adds the terms j, j + 8, ... */
+typedef double v8d __attribute__((vector_size(64)));
 
+static inline v8d widen8(v8f f) { return (v8d){f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]}; }
+
+static inline double lanes8(v8d a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+/* Empties the bins of fractions f = u & 0x7FFFFF into the totals of significands m = f + 2**23 (E > 0) or f. */
 static void empty_bins(stats_bins *b) {
     for (int c = 0; c < 4; c++)
-        for (int e = 0; e < 256; e++) {
-            int64_t v = b->packed[c][e], n = (v + ((int64_t)1 << 40)) >> 41;
+        for (int key = 0; key < 512; key++) {
+            int e = key & 0xFF;
+            int64_t v = b->packed[c][key], n = v >> 41, f = v & (((int64_t)1 << 41) - 1), m = f;
+            unsigned __int128 q = b->squares[c][key];
+            if (e > 0) { /* (f + 2**23)**2 = f**2 + 2**24 f + 2**46 */
+                m += n << 23;
+                q += ((unsigned __int128)f << 24) + ((unsigned __int128)n << 46);
+            }
             b->counts[e] += n;
-            b->sums[e] += v - (n << 41);
-            b->square_sums[e] += b->squares[c][e];
-            b->packed[c][e] = 0;
-            b->squares[c][e] = 0;
+            b->sums[e] += key >> 8 ? -m : m;
+            b->square_sums[e] += q;
+            b->packed[c][key] = 0;
+            b->squares[c][key] = 0;
         }
 }
 
-/* The sum of x*x (x8: eight float32 values) into lanes p, q. */
-#define ADD_SQUARES(p, q, x8)                                                                                  \
+/* Adds k values to the bins of their sign and exponent field (u >> 23): the count and the sum of the
+ * fractions f = u & 0x7FFFFF packed as n * 2**41 + sum f (below 2**41), and the sum of f * f. */
+static inline __attribute__((always_inline)) void add_to_bins(stats_bins *bins, const float *x, int k) {
+    for (int j = 0; j < k; j++) {
+        uint32_t b;
+        memcpy(&b, x + j, sizeof b);
+        uint64_t f = b & 0x7FFFFF;
+        bins->packed[j & 3][b >> 23] += f + ((int64_t)1 << 41);
+        bins->squares[j & 3][b >> 23] += f * f;
+    }
+}
+
+/* The squares of eight float32 values x8 added into the eight lanes of acc. */
+#define ADD_SQUARES(acc, x8)                                                                                   \
     do {                                                                                                       \
-        v4d lo_ = low4(x8), hi_ = high4(x8);                                                                   \
-        p += lo_ * lo_;                                                                                        \
-        q += hi_ * hi_;                                                                                        \
+        v8d w_ = widen8(x8);                                                                                   \
+        acc += w_ * w_;                                                                                        \
     } while (0)
 
 STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start, int64_t *out, double *errors,
                              stats_bins *bins) {
-    v8i zeros = {0}, subnormals = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
+    v8i zeros = {0}, tiny = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
     v8f lo = {0}, hi = {0};
     const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
     const float inf = __builtin_inff();
-    int64_t nan = 0, posinf = 0, neginf = 0, over[TARGETS] = {0};
+    int64_t nan = 0, posinf = 0, neginf = 0, over[TARGETS] = {0}, padding = 0;
     int32_t best = -1;
     Py_ssize_t best_block = 0;
     lo += inf;
@@ -336,8 +358,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     Py_ssize_t since_flush = 0;
     for (Py_ssize_t first = 0; first < n; first += STATS_BLOCK) {
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
-        v4d base0 = {0}, base1 = {0}, err0[TARGETS] = {{0}}, err1[TARGETS] = {{0}}, over0[TARGETS] = {{0}},
-            over1[TARGETS] = {{0}};
+        v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
         for (Py_ssize_t i = first; i < end; i += 8) {
             v8u u = {0};
             int k = end - i < 8 ? (int)(end - i) : 8;
@@ -345,67 +366,68 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
                 memcpy(&u, x + i, sizeof u);
             else
                 memcpy(&u, x + i, (size_t)k * 4); /* a block's last values padded with zeros */
-            v8u mag = u & 0x7FFFFFFF, less = mag - 1, expo = mag & 0x7F800000; /* less: 0 wraps round */
+            /* magnitudes lie below 2**31: signed comparisons (one instruction each) serve */
+            v8i mag = (v8i)(u & 0x7FFFFFFF), expo = mag & 0x7F800000, is_zero = mag == 0;
             v8f fm = (v8f)mag, xf = (v8f)u;
-            v8i is_sub = (v8i)(less < 0x7FFFFF);
-            subnormals += is_sub;
+            v8i below_normals = mag < 0x800000, is_sub = below_normals & ~is_zero; /* and zeros, padding */
+            tiny += below_normals;
             for (int t = 0; t < TARGETS; t++) {
-                below_flush[t] += (v8i)(less < FLUSH[t]);
-                below_normal[t] += (v8i)(less < NORMAL[t] - 1);
+                below_flush[t] += mag < (int32_t)FLUSH[t] + 1;
+                below_normal[t] += mag < (int32_t)NORMAL[t];
             }
-            if (k == 8 && !any_lane((v8i)(mag >= OVER_LEAST))) { /* no inf, NaN or overflow: no masks */
-                zeros += (v8i)(mag == 0);
+            if (k == 8 && !any_lane(mag > (int32_t)OVER_LEAST - 1)) { /* no inf, NaN or overflow: no masks */
+                zeros += is_zero;
                 lo = (v8f)select8((v8i)(xf < lo), (v8i)xf, (v8i)lo);
                 hi = (v8f)select8((v8i)(xf > hi), (v8i)xf, (v8i)hi);
-                peak = select8((v8i)mag > peak, (v8i)mag, peak);
-                ADD_SQUARES(base0, base1, fm);
+                peak = select8(mag > peak, mag, peak);
+                ADD_SQUARES(base, fm);
                 for (int t = 0; t < TARGETS; t++) {
-                    v8u c = select8u(expo > TINY[t], expo, (v8u){0} + TINY[t]) + (DROP[t] << 23);
+                    v8u c = (v8u)select8(expo > (int32_t)TINY[t], expo, (v8i){0} + (int32_t)TINY[t]) + (DROP[t] << 23);
                     v8f d = fm - ((fm + (v8f)c) - (v8f)c);
-                    ADD_SQUARES(err0[t], err1[t], d);
+                    ADD_SQUARES(err[t], d);
                 }
             } else {
-                v8i valid = iota < k, number = (v8i)(mag <= 0x7F800000) & valid;
-                zeros += (v8i)(mag == 0) & valid;
+                v8i valid = iota < k, number = (mag <= 0x7F800000) & valid;
+                zeros += is_zero & valid;
                 lo = (v8f)select8(number & (v8i)(xf < lo), (v8i)xf, (v8i)lo);
                 hi = (v8f)select8(number & (v8i)(xf > hi), (v8i)xf, (v8i)hi);
-                peak = select8(number & ((v8i)mag > peak), (v8i)mag, peak);
+                peak = select8(number & (mag > peak), mag, peak);
                 for (int j = 0; j < k; j++) {
                     nan += mag[j] > 0x7F800000;
                     posinf += u[j] == 0x7F800000;
                     neginf += u[j] == 0xFF800000;
                     for (int t = 0; t < TARGETS; t++)
-                        over[t] += mag[j] >= OVER[t] && mag[j] < 0x7F800000;
+                        over[t] += (uint32_t)mag[j] >= OVER[t] && mag[j] < 0x7F800000;
                 }
-                v8f kept = (v8f)((v8i)fm & (v8i)(mag < OVER_LEAST));
-                ADD_SQUARES(base0, base1, kept);
+                v8u umag = (v8u)mag;
+                v8f kept = (v8f)((v8i)fm & (v8i)(umag < OVER_LEAST));
+                ADD_SQUARES(base, kept);
+                padding += 8 - k;
                 for (int t = 0; t < TARGETS; t++) {
                     uint32_t drop = DROP[t];
-                    v8u c = select8u(expo > TINY[t], expo, (v8u){0} + TINY[t]) + (drop << 23);
-                    v8u bits = (mag + ((1u << (drop - 1)) - 1) + ((mag >> drop) & 1)) & ~((1u << drop) - 1);
+                    v8u c = (v8u)select8(expo > (int32_t)TINY[t], expo, (v8i){0} + (int32_t)TINY[t]) + (drop << 23);
+                    v8u bits = (umag + ((1u << (drop - 1)) - 1) + ((umag >> drop) & 1)) & ~((1u << drop) - 1);
                     v8f r = (v8f)select8((v8i)(c >= 0x7F800000), (v8i)bits, (v8i)((fm + (v8f)c) - (v8f)c));
-                    v8f d = (v8f)((v8i)(fm - r) & (v8i)(mag < OVER[t]));
-                    ADD_SQUARES(err0[t], err1[t], d);
-                    v8f o = (v8f)((v8i)fm & (v8i)(mag >= OVER_LEAST) & (v8i)(mag < OVER[t]));
-                    ADD_SQUARES(over0[t], over1[t], o);
+                    v8f d = (v8f)((v8i)(fm - r) & (v8i)(umag < OVER[t]));
+                    ADD_SQUARES(err[t], d);
+                    v8f o = (v8f)((v8i)fm & (v8i)(umag >= OVER_LEAST) & (v8i)(umag < OVER[t]));
+                    ADD_SQUARES(over_sums[t], o);
                 }
             }
             if (any_lane(is_sub))
                 for (int j = 0; j < 8; j++)
                     if (is_sub[j])
                         bins->subnormal[31 - __builtin_clz(mag[j])]++;
-            v8u e = u >> 23 & 0xFF, sig = (u & 0x7FFFFF) | ((v8u)(e != 0) & 0x800000);
-            v8i neg = (v8i)u >> 31, signed_sig = ((v8i)sig ^ neg) - neg;
-            for (int j = 0; j < k; j++) {
-                bins->packed[j & 3][e[j]] += (int64_t)signed_sig[j] + ((int64_t)1 << 41);
-                bins->squares[j & 3][e[j]] += (uint64_t)sig[j] * sig[j];
-            }
+            if (k == 8)
+                add_to_bins(bins, x + i, 8); /* unrolled */
+            else
+                add_to_bins(bins, x + i, k);
         }
         double *row = errors + (first / STATS_BLOCK) * ERROR_SUMS;
-        row[0] = lanes_sum(base0, base1);
+        row[0] = lanes8(base);
         for (int t = 0; t < TARGETS; t++) {
-            row[1 + t] = lanes_sum(err0[t], err1[t]);
-            row[5 + t] = lanes_sum(over0[t], over1[t]);
+            row[1 + t] = lanes8(err[t]);
+            row[5 + t] = lanes8(over_sums[t]);
         }
         for (int j = 0; j < 8; j++)
             if (peak[j] > best) { /* the first block where the largest magnitude so far appears */
@@ -435,9 +457,9 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     memcpy(&low, &bits, sizeof low);
     bits = (uint32_t)o[OUT_MAX];
     memcpy(&high, &bits, sizeof high);
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < 8; j++) { /* the counts below a magnitude hold the zeros and a tail's padding too */
         counts[0] += -zeros[j];
-        counts[1] += -subnormals[j];
+        counts[1] += -tiny[j];
         for (int t = 0; t < TARGETS; t++) {
             counts[2 + t] -= below_flush[t][j];
             counts[2 + TARGETS + t] -= below_normal[t][j];
@@ -448,6 +470,8 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     o[OUT_NAN] += nan;
     o[OUT_POSINF] += posinf;
     o[OUT_NEGINF] += neginf;
+    for (int c = 1; c < 3 * TARGETS + 2; c++)
+        counts[c] -= counts[0] + padding;
     o[OUT_ZEROS] += counts[0];
     o[OUT_SUBNORMALS] += counts[1];
     memcpy(&bits, &low, sizeof bits);

@@ -97,8 +97,12 @@ class StatsAccumulator:
     `start` is the flat index of its first value); workers' accumulators of the same tensor combine with
     `merge`. Counts and sums are exact (Python integers), so every chunking and every order of merges gives
     the same bits. Sums of x and x² are taken per binade: the mantissas of one binade are multiples of one
-    unit, so their float64 sums are exact; the cast errors are `DiffAccumulator`'s, over blocks counted
-    from the tensor's first value (a block cut by a chunk's edge waits for its other parts).
+    unit, so their float64 sums are exact. float32 values (and complex64's parts) take one pass of
+    `_fused.stats_f32` instead, which sums their integer significands per sign and exponent field in
+    int64 and 128-bit integers; its running counts are folded into the exact sums before a merge, a
+    result or a pickle. The cast errors are float64 sums of exact squares per block counted from the
+    tensor's first value (`casts.error_sums`; a block cut by a chunk's edge waits for its other parts),
+    taken in one order by `_fused` and by NumPy alike: the same bits whether `_fused` was built or not.
 
     Args:
         dtype: the tensor's dtype: bool, integer, floating (ml_dtypes' too) or complex.
@@ -162,6 +166,11 @@ class StatsAccumulator:
         step = STATS_CALL // 2 if fused_stats_ready(flat.dtype) else PIECE  # _fused takes long runs
         for a in range(head, head + full, step):
             self._add_floats(flat[a : min(a + step, head + full)], start + a, whole=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state to pickle (a worker's, sent to its parent): `_fused`'s running counts folded in first."""
+        self._fold()
+        return self.__dict__
 
     def merge(self, other: StatsAccumulator) -> None:
         """Adds the values of the same tensor that `other` has seen (another worker's chunks).

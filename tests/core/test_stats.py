@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 from collections import Counter
 from fractions import Fraction
 
@@ -445,3 +446,14 @@ def test_cast_errors_beside_values_that_overflow_keep_their_precision():
     # square swamped the small values' (float16's rel_error was off by 2e-9)
     t = np.concatenate([np.array([1e5, -3e5, 1e10], np.float32), sample(np.float32, BLOCK, seed=4) * 1e-3])
     assert_matches(tensor_stats(t, CAST_TARGETS), reference(t, CAST_TARGETS), t)
+
+
+def test_a_pickled_accumulator_is_small_and_merges_to_the_bits_of_one_pass():
+    t = planted32(5 * BLOCK + 3, 8)
+    head, tail = StatsAccumulator(t.dtype), StatsAccumulator(t.dtype)
+    head.add(t[: 2 * BLOCK + 5], 0)
+    tail.add(t[2 * BLOCK + 5 :], 2 * BLOCK + 5)
+    sent = pickle.dumps(tail)  # a worker's accumulator, as the engine sends it
+    assert len(sent) < 64 << 10  # no per-value state: the counts, sums and the values of blocks cut in two
+    head.merge(pickle.loads(sent))
+    assert repr(head.result()) == repr(tensor_stats(t))

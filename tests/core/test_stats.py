@@ -26,6 +26,11 @@ FLOATS = [
     ml_dtypes.float8_e4m3fn,
     ml_dtypes.float8_e5m2,
     ml_dtypes.float8_e8m0fnu,
+    *(  # the other float8 kinds clipcli reads, those this ml_dtypes has
+        getattr(ml_dtypes, n)
+        for n in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4")
+        if hasattr(ml_dtypes, n)
+    ),
 ]
 INTEGERS = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
 COMPLEX = [np.complex64, np.complex128]

@@ -237,13 +237,15 @@ static void release_buffers(int n, Py_buffer *views) {
  *   one seen first is kept on a tie, whatever the order of the calls); then per cast target (float16,
  *   bfloat16, float8_e4m3fn, float8_e5m2, in turn): the finite values that overflow, the non-zero values
  *   that flush to zero, the values that land subnormal.
- * The sums per E go through int64 bins of four copies (value i to copy i % 4, so that runs of one binade do
- * not wait on one another), the count and the sum of a bin packed as count * 2**41 + sum; the bins are
- * emptied into 128-bit totals every 2**16 values, before any could overflow.
+ * The sums go through int64 bins keyed by u >> 23 (sign and E) of the fractions f = u & 0x7FFFFF, in four
+ * copies (value i to copy i % 4, so that runs of one binade do not wait on one another): the count and the
+ * sum of f packed as count * 2**41 + sum, and the sum of f * f; every 2**16 values they are emptied into the
+ * totals per E, the implicit bit added ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
  * Casts round to nearest even: a target's threshold on the magnitude bits decides each count. The rounded
- * value r is taken from the bits (RNE by integer addition, carries into the exponent included), or, below
- * the target's smallest normal, as (|x| + C) - C in float32, C the target's smallest subnormal times 2**23.
- * |x| - r is exact in float32, its square in float64. Per block of BLOCK values (the input starts a block)
+ * value r is (|x| + C) - C in float32, C = 2**(max(e, the target's smallest normal exponent) + 24 - p) (p:
+ * the target's precision): float32's own rounding at C's last place. Where C would overflow (a vector with
+ * a value above 464 goes the slow way, with masks) r is taken from the bits instead (RNE by integer
+ * addition, carries into the exponent included). |x| - r is exact in float32, its square in float64. Per block of BLOCK values (the input starts a block)
  * `errors` gets a row (the last block may be shorter), each sum in the eight lanes' order of the header:
  *   [0] the sum of x*x over the values of magnitude 464 or less (float8_e4m3fn's overflow lies above: no
  *       target's overflows one of them);

@@ -17,11 +17,14 @@
  *   over rows r of A and B, with d = a - b in float64 (rounded once at most: exact unless a and b lie
  *   some 29 binades apart); returns how many d are not 0 and the largest |d|. For finite values: NaN or inf in a row makes its sums NaN or inf, and the counts
  *   are then of no use.
+ * stats_f32(x, out, errors, start): the statistics of float32 values, exact where they are counts and sums,
+ *   added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
  * All release the GIL while they run.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef double v4d __attribute__((vector_size(32)));
@@ -185,7 +188,7 @@ static const pair_fn PAIR_ROWS[3][3] = {
     {pairs_f16_f32, pairs_f16_bf16, pairs_f16_f16},
 };
 
-/* A C-contiguous buffer of native `format` ('d', 'f' or 'H'); writable if asked. */
+/* A C-contiguous buffer of native `format` ('d', 'f', 'H', or 'q': int64); writable if asked. */
 static int get_buffer(PyObject *obj, Py_buffer *view, const char *format, int writable) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0)
@@ -193,6 +196,8 @@ static int get_buffer(PyObject *obj, Py_buffer *view, const char *format, int wr
     const char *f = view->format;
     if (f[0] == '@' || f[0] == '=')
         f++;
+    if (format[0] == 'q' && (f[0] == 'l' || f[0] == 'q') && f[1] == 0 && view->itemsize == 8)
+        return 0; /* an int64 buffer: 'l' or 'q' by platform */
     if (strcmp(f, format) != 0 || view->itemsize != (format[0] == 'd' ? 8 : format[0] == 'f' ? 4 : 2)) {
         PyErr_Format(PyExc_TypeError, "expected a contiguous buffer of format '%s', got '%s'", format, view->format);
         PyBuffer_Release(view);
@@ -215,6 +220,312 @@ static int get_buffers(int n, PyObject *const *objs, const char *const *formats,
 static void release_buffers(int n, Py_buffer *views) {
     for (int i = 0; i < n; i++)
         PyBuffer_Release(&views[i]);
+}
+
+/* --- stats_f32 ----------------------------------------------------------------------------------------
+ *
+ * One pass over float32 values, given as their bits u (a magnitude bits: u & 0x7FFFFFFF; E = u >> 23 & 0xFF,
+ * the biased exponent; the significand m = u & 0x7FFFFF, with 1 << 23 added where E > 0, so that a finite
+ * value is +-m * 2**(max(E, 1) - 150)). Added into `out` (int64, STATS_LEN: a running total over calls;
+ * fresh, it holds zeros but for the smallest value, +inf's bits, the largest, -inf's, and the peak, -1):
+ *   [0, 256)      values per E (E = 0: zeros and subnormals; 255: inf and NaN);
+ *   [256, 512)    per E, the sum of +-m (int64: exact for 2**39 values);
+ *   [512, 768), [768, 1024): per E, the sum of m*m, its low and high 64 bits (an unsigned 128-bit sum);
+ *   [1024, 1047)  subnormals by the bit length of m, less one (k: m in [2**k, 2**(k + 1)));
+ *   then NaN, +inf, -inf, zeros (+-0), subnormals; the float32 bits of the smallest and the largest value
+ *   (NaN aside); the largest magnitude's bits and its first flat index (`start` is the first value's; the
+ *   one seen first is kept on a tie, whatever the order of the calls); then per cast target (float16,
+ *   bfloat16, float8_e4m3fn, float8_e5m2, in turn): the finite values that overflow, the non-zero values
+ *   that flush to zero, the values that land subnormal.
+ * The sums go through int64 bins keyed by u >> 23 (sign and E) of the fractions f = u & 0x7FFFFF, in four
+ * copies (value i to copy i % 4, so that runs of one binade do not wait on one another): the count and the
+ * sum of f packed as count * 2**41 + sum, and the sum of f * f; every 2**16 values they are emptied into the
+ * totals per E, the implicit bit added ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
+ * Casts round to nearest even: a target's threshold on the magnitude bits decides each count. The rounded
+ * value r is (|x| + C) - C in float32, C = 2**(max(e, the target's smallest normal exponent) + 24 - p) (p:
+ * the target's precision): float32's own rounding at C's last place. Where C would overflow (a vector with
+ * a value above 464 goes the slow way, with masks) r is taken from the bits instead (RNE by integer
+ * addition, carries into the exponent included). |x| - r is exact in float32, its square in float64. Per block of BLOCK values (the input starts a block)
+ * `errors` gets a row (the last block may be shorter), each sum in the eight lanes' order of the header:
+ *   [0] the sum of x*x over the values of magnitude 464 or less (float8_e4m3fn's overflow lies above: no
+ *       target's overflows one of them);
+ *   [1 + t] the sum of (|x| - r)**2 for target t over the values that do not overflow it;
+ *   [5 + t] the sum of x*x over the values above 464 that do not overflow target t (so that the norm of
+ *       those a target keeps is the exact sum of two sums of non-negative terms: no cancellation).
+ */
+#define STATS_BLOCK 8192
+#define TARGETS 4
+#define SUBNORMAL_BINS 23
+enum {
+    OUT_COUNTS = 0, OUT_SUMS = 256, OUT_SQ_LO = 512, OUT_SQ_HI = 768, OUT_SUBNORMAL = 1024,
+    OUT_NAN = OUT_SUBNORMAL + SUBNORMAL_BINS, OUT_POSINF, OUT_NEGINF, OUT_ZEROS, OUT_SUBNORMALS, OUT_MIN, OUT_MAX,
+    OUT_PEAK, OUT_PEAK_AT, OUT_CASTS, STATS_LEN = OUT_CASTS + 3 * TARGETS,
+};
+#define ERROR_SUMS 9
+#define FLUSH_VALUES (1 << 16)
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* Per target, float32 magnitude bits: dropped bits of a normal value; the smallest normal (0: none below
+ * float32's own); C; overflow from; flush up to; normal from (checked against ml_dtypes by the tests). */
+static const uint32_t DROP[TARGETS] = {13, 16, 20, 21};
+static const uint32_t TINY[TARGETS] = {0x38800000, 0x800000, 0x3C800000, 0x38800000};
+static const uint32_t OVER[TARGETS] = {0x477FF000, 0x7F7F8000, 0x43E80001, 0x47700000};
+static const uint32_t FLUSH[TARGETS] = {0x33000000, 0x8000, 0x3A800000, 0x37000000};
+static const uint32_t NORMAL[TARGETS] = {0x387FE000, 0x7F8000, 0x3C700000, 0x38600000};
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define STATS_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define STATS_CLONES
+#endif
+#define OVER_LEAST 0x43E80001u /* float8_e4m3fn's */
+
+typedef struct {
+    int64_t packed[4][512]; /* by u >> 23: sign and E */
+    uint64_t squares[4][512];
+    int64_t counts[256], sums[256];
+    unsigned __int128 square_sums[256];
+    int64_t subnormal[SUBNORMAL_BINS];
+} stats_bins;
+
+/* Whether any lane of a mask is set (one test of the whole vector, not eight extractions). */
+static inline int any_lane(v8i m) {
+    uint64_t w[4];
+    memcpy(w, &m, sizeof w);
+    return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
+static inline v8i select8(v8i m, v8i a, v8i b) { return (m & a) | (~m & b); }
+static inline v8u select8u(v8i m, v8u a, v8u b) { return ((v8u)m & a) | (~(v8u)m & b); }
+
+/* Eight float64 lanes (one AVX-512 register; two AVX2 ones): lane j adds the terms j, j + 8, ... */
+typedef double v8d __attribute__((vector_size(64)));
+
+static inline v8d widen8(v8f f) { return (v8d){f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]}; }
+
+static inline double lanes8(v8d a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+/* Empties the bins of fractions f = u & 0x7FFFFF into the totals of significands m = f + 2**23 (E > 0) or f. */
+static void empty_bins(stats_bins *b) {
+    for (int c = 0; c < 4; c++)
+        for (int key = 0; key < 512; key++) {
+            int e = key & 0xFF;
+            int64_t v = b->packed[c][key], n = v >> 41, f = v & (((int64_t)1 << 41) - 1), m = f;
+            unsigned __int128 q = b->squares[c][key];
+            if (e > 0) { /* (f + 2**23)**2 = f**2 + 2**24 f + 2**46 */
+                m += n << 23;
+                q += ((unsigned __int128)f << 24) + ((unsigned __int128)n << 46);
+            }
+            b->counts[e] += n;
+            b->sums[e] += key >> 8 ? -m : m;
+            b->square_sums[e] += q;
+            b->packed[c][key] = 0;
+            b->squares[c][key] = 0;
+        }
+}
+
+/* Adds k values to the bins of their sign and exponent field (u >> 23): the count and the sum of the
+ * fractions f = u & 0x7FFFFF packed as n * 2**41 + sum f (below 2**41), and the sum of f * f. */
+static inline __attribute__((always_inline)) void add_to_bins(stats_bins *bins, const float *x, int k) {
+    for (int j = 0; j < k; j++) {
+        uint32_t b;
+        memcpy(&b, x + j, sizeof b);
+        uint64_t f = b & 0x7FFFFF;
+        bins->packed[j & 3][b >> 23] += f + ((int64_t)1 << 41);
+        bins->squares[j & 3][b >> 23] += f * f;
+    }
+}
+
+/* The squares of eight float32 values x8 added into the eight lanes of acc. */
+#define ADD_SQUARES(acc, x8)                                                                                   \
+    do {                                                                                                       \
+        v8d w_ = widen8(x8);                                                                                   \
+        acc += w_ * w_;                                                                                        \
+    } while (0)
+
+STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start, int64_t *out, double *errors,
+                             stats_bins *bins) {
+    v8i zeros = {0}, tiny = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
+    v8f lo = {0}, hi = {0};
+    const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+    const float inf = __builtin_inff();
+    int64_t nan = 0, posinf = 0, neginf = 0, over[TARGETS] = {0}, padding = 0;
+    int32_t best = -1;
+    Py_ssize_t best_block = 0;
+    lo += inf;
+    hi -= inf;
+    peak -= 1;
+    Py_ssize_t since_flush = 0;
+    for (Py_ssize_t first = 0; first < n; first += STATS_BLOCK) {
+        Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
+        v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
+        for (Py_ssize_t i = first; i < end; i += 8) {
+            v8u u = {0};
+            int k = end - i < 8 ? (int)(end - i) : 8;
+            if (k == 8)
+                memcpy(&u, x + i, sizeof u);
+            else
+                memcpy(&u, x + i, (size_t)k * 4); /* a block's last values padded with zeros */
+            /* magnitudes lie below 2**31: signed comparisons (one instruction each) serve */
+            v8i mag = (v8i)(u & 0x7FFFFFFF), expo = mag & 0x7F800000, is_zero = mag == 0;
+            v8f fm = (v8f)mag, xf = (v8f)u;
+            v8i below_normals = mag < 0x800000, is_sub = below_normals & ~is_zero; /* and zeros, padding */
+            tiny += below_normals;
+            for (int t = 0; t < TARGETS; t++) {
+                below_flush[t] += mag < (int32_t)FLUSH[t] + 1;
+                below_normal[t] += mag < (int32_t)NORMAL[t];
+            }
+            if (k == 8 && !any_lane(mag > (int32_t)OVER_LEAST - 1)) { /* no inf, NaN or overflow: no masks */
+                zeros += is_zero;
+                lo = (v8f)select8((v8i)(xf < lo), (v8i)xf, (v8i)lo);
+                hi = (v8f)select8((v8i)(xf > hi), (v8i)xf, (v8i)hi);
+                peak = select8(mag > peak, mag, peak);
+                ADD_SQUARES(base, fm);
+                for (int t = 0; t < TARGETS; t++) {
+                    v8u c = (v8u)select8(expo > (int32_t)TINY[t], expo, (v8i){0} + (int32_t)TINY[t]) + (DROP[t] << 23);
+                    v8f d = fm - ((fm + (v8f)c) - (v8f)c);
+                    ADD_SQUARES(err[t], d);
+                }
+            } else {
+                v8i valid = iota < k, number = (mag <= 0x7F800000) & valid;
+                zeros += is_zero & valid;
+                lo = (v8f)select8(number & (v8i)(xf < lo), (v8i)xf, (v8i)lo);
+                hi = (v8f)select8(number & (v8i)(xf > hi), (v8i)xf, (v8i)hi);
+                peak = select8(number & (mag > peak), mag, peak);
+                for (int j = 0; j < k; j++) {
+                    nan += mag[j] > 0x7F800000;
+                    posinf += u[j] == 0x7F800000;
+                    neginf += u[j] == 0xFF800000;
+                    for (int t = 0; t < TARGETS; t++)
+                        over[t] += (uint32_t)mag[j] >= OVER[t] && mag[j] < 0x7F800000;
+                }
+                v8u umag = (v8u)mag;
+                v8f kept = (v8f)((v8i)fm & (v8i)(umag < OVER_LEAST));
+                ADD_SQUARES(base, kept);
+                padding += 8 - k;
+                for (int t = 0; t < TARGETS; t++) {
+                    uint32_t drop = DROP[t];
+                    v8u c = (v8u)select8(expo > (int32_t)TINY[t], expo, (v8i){0} + (int32_t)TINY[t]) + (drop << 23);
+                    v8u bits = (umag + ((1u << (drop - 1)) - 1) + ((umag >> drop) & 1)) & ~((1u << drop) - 1);
+                    v8f r = (v8f)select8((v8i)(c >= 0x7F800000), (v8i)bits, (v8i)((fm + (v8f)c) - (v8f)c));
+                    v8f d = (v8f)((v8i)(fm - r) & (v8i)(umag < OVER[t]));
+                    ADD_SQUARES(err[t], d);
+                    v8f o = (v8f)((v8i)fm & (v8i)(umag >= OVER_LEAST) & (v8i)(umag < OVER[t]));
+                    ADD_SQUARES(over_sums[t], o);
+                }
+            }
+            if (any_lane(is_sub))
+                for (int j = 0; j < 8; j++)
+                    if (is_sub[j])
+                        bins->subnormal[31 - __builtin_clz(mag[j])]++;
+            if (k == 8)
+                add_to_bins(bins, x + i, 8); /* unrolled */
+            else
+                add_to_bins(bins, x + i, k);
+        }
+        double *row = errors + (first / STATS_BLOCK) * ERROR_SUMS;
+        row[0] = lanes8(base);
+        for (int t = 0; t < TARGETS; t++) {
+            row[1 + t] = lanes8(err[t]);
+            row[5 + t] = lanes8(over_sums[t]);
+        }
+        for (int j = 0; j < 8; j++)
+            if (peak[j] > best) { /* the first block where the largest magnitude so far appears */
+                best = peak[j];
+                best_block = first;
+            }
+        since_flush += end - first;
+        if (since_flush >= FLUSH_VALUES || end == n) {
+            empty_bins(bins);
+            since_flush = 0;
+        }
+    }
+    int64_t *o = out;
+    for (int e = 0; e < 256; e++) {
+        unsigned __int128 q = ((unsigned __int128)(uint64_t)o[OUT_SQ_HI + e] << 64 | (uint64_t)o[OUT_SQ_LO + e]);
+        q += bins->square_sums[e];
+        o[OUT_COUNTS + e] += bins->counts[e];
+        o[OUT_SUMS + e] += bins->sums[e];
+        o[OUT_SQ_LO + e] = (int64_t)(uint64_t)q;
+        o[OUT_SQ_HI + e] = (int64_t)(uint64_t)(q >> 64);
+    }
+    for (int k = 0; k < SUBNORMAL_BINS; k++)
+        o[OUT_SUBNORMAL + k] += bins->subnormal[k];
+    int64_t counts[3 * TARGETS + 2] = {0};
+    float low, high;
+    uint32_t bits = (uint32_t)o[OUT_MIN];
+    memcpy(&low, &bits, sizeof low);
+    bits = (uint32_t)o[OUT_MAX];
+    memcpy(&high, &bits, sizeof high);
+    for (int j = 0; j < 8; j++) { /* the counts below a magnitude hold the zeros and a tail's padding too */
+        counts[0] += -zeros[j];
+        counts[1] += -tiny[j];
+        for (int t = 0; t < TARGETS; t++) {
+            counts[2 + t] -= below_flush[t][j];
+            counts[2 + TARGETS + t] -= below_normal[t][j];
+        }
+        low = lo[j] < low ? lo[j] : low;
+        high = hi[j] > high ? hi[j] : high;
+    }
+    o[OUT_NAN] += nan;
+    o[OUT_POSINF] += posinf;
+    o[OUT_NEGINF] += neginf;
+    for (int c = 1; c < 3 * TARGETS + 2; c++)
+        counts[c] -= counts[0] + padding;
+    o[OUT_ZEROS] += counts[0];
+    o[OUT_SUBNORMALS] += counts[1];
+    memcpy(&bits, &low, sizeof bits);
+    o[OUT_MIN] = bits;
+    memcpy(&bits, &high, sizeof bits);
+    o[OUT_MAX] = bits;
+    for (Py_ssize_t i = best_block; best >= 0; i++) {
+        memcpy(&bits, x + i, sizeof bits);
+        if ((int32_t)(bits & 0x7FFFFFFF) == best) { /* larger, or as large and earlier (chunks come in any order) */
+            if (best > o[OUT_PEAK] || (best == o[OUT_PEAK] && start + i < o[OUT_PEAK_AT])) {
+                o[OUT_PEAK] = best;
+                o[OUT_PEAK_AT] = start + i;
+            }
+            break;
+        }
+    }
+    for (int t = 0; t < TARGETS; t++) {
+        o[OUT_CASTS + 3 * t] += over[t];
+        o[OUT_CASTS + 3 * t + 1] += counts[2 + t];
+        o[OUT_CASTS + 3 * t + 2] += counts[2 + TARGETS + t] - counts[2 + t];
+    }
+}
+
+static PyObject *stats_f32(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    long long start;
+    if (!PyArg_ParseTuple(args, "OOOL", &objs[0], &objs[1], &objs[2], &start))
+        return NULL;
+    Py_buffer v[3]; /* x, out, errors */
+    const char *formats[2] = {"f", "q"};
+    if (get_buffers(2, objs, formats, v) < 0)
+        return NULL;
+    if (get_buffer(objs[2], &v[2], "d", 1) < 0) {
+        release_buffers(2, v);
+        return NULL;
+    }
+    Py_ssize_t n = v[0].len / 4, blocks = (n + STATS_BLOCK - 1) / STATS_BLOCK;
+    PyObject *result = NULL;
+    stats_bins *bins = NULL;
+    if (v[1].len != STATS_LEN * 8 || v[2].len != blocks * ERROR_SUMS * 8 || n >= ((Py_ssize_t)1 << 31))
+        PyErr_SetString(PyExc_ValueError, "stats_f32 takes fewer than 2**31 values, STATS_LEN counts and nine sums a block");
+    else if ((bins = calloc(1, sizeof *bins)) == NULL)
+        PyErr_NoMemory();
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        stats_loop(v[0].buf, n, start, v[1].buf, v[2].buf, bins);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    free(bins);
+    release_buffers(3, v);
+    return result;
 }
 
 /* The buffer format of a kind of values; NULL (an error set) for no kind. */
@@ -318,6 +629,9 @@ static PyMethodDef methods[] = {
     {"pair_sums", pair_sums, METH_VARARGS,
      "pair_sums(a, b, out, kind_a, kind_b) -> (changed, top): per row, the sums of d*d, a*a, b*b and a*b "
      "(d = a - b); how many d are not 0, and the largest |d|."},
+    {"stats_f32", stats_f32, METH_VARARGS,
+     "stats_f32(x, out, errors, start): counts, exact sums per exponent and cast counts of float32 values added "
+     "into out (int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -260,6 +260,42 @@ def fused_pair_sums(a: np.ndarray, b: np.ndarray, rows: np.ndarray, kinds: tuple
     return _fused.pair_sums(_fused_view(a, kinds[0]), _fused_view(b, kinds[1]), rows, *kinds)
 
 
+# `_fused.stats_f32`'s output: its length, and where its counts lie (see clipcli/_fused.c).
+STATS_LEN = 1068
+STATS_SUBNORMAL = 1024
+STATS_SCALARS = 1047
+# Values one `_fused.stats_f32` call takes at most (its counts are int64 sums of fewer than 2**31 values).
+STATS_CALL = 1 << 26
+
+
+def fused_stats_state() -> np.ndarray:
+    """A fresh running total for `fused_stats`: nothing seen (see clipcli/_fused.c, stats_f32)."""
+    out = np.zeros(STATS_LEN, np.int64)
+    out[STATS_SCALARS + 5 : STATS_SCALARS + 8] = [0x7F800000, 0xFF800000, -1]  # +inf, -inf; no peak
+    return out
+
+
+def fused_stats(x: np.ndarray, out: np.ndarray, start: int) -> np.ndarray | None:
+    """`_fused.stats_f32` of flat float32 values (starting a block, the first at flat index `start`).
+
+    Adds their counts into `out` (of `fused_stats_state`, laid out as clipcli/_fused.c says).
+
+    Returns:
+        Nine float64 sums per block (`casts.error_sums`' as the C file lays them out); None, `out` left
+        as it was, for values of another dtype or more than `STATS_CALL`, or when `_fused` was not built.
+    """
+    if _fused is None or x.dtype != np.float32 or x.size >= STATS_CALL:
+        return None
+    errors = np.empty(((x.size + BLOCK - 1) // BLOCK, 9))
+    _fused.stats_f32(np.ascontiguousarray(x), out, errors, start)
+    return errors
+
+
+def fused_stats_ready(dtype: np.dtype) -> bool:
+    """Whether `fused_stats` takes values of `dtype` (`_fused` built, and float32 in native order)."""
+    return _fused is not None and dtype == np.float32
+
+
 def _fused_view(x: np.ndarray, kind: int) -> np.ndarray:
     """Values of a `_fused` kind as its loops read them: float32 as they are, 16-bit floats as their bits."""
     x = np.ascontiguousarray(x)

@@ -9,14 +9,27 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from clipcli.core.blocks import BLOCK, PIECE, BlockParts, as_tensor, is_floating, widen
-from clipcli.core.differences import DiffAccumulator
+from clipcli.core.blocks import (
+    BLOCK,
+    PIECE,
+    STATS_CALL,
+    STATS_SCALARS,
+    STATS_SUBNORMAL,
+    BlockParts,
+    as_tensor,
+    fused_stats,
+    fused_stats_ready,
+    fused_stats_state,
+    is_floating,
+    widen,
+)
+from clipcli.core.casts import CAST_TARGETS, cast, cast_counts, error_sums, precision
 from clipcli.core.exact import ExactSum, add_signed, int_quotient, int_root, ldexp, signed
 
-# The standard narrow floats a tensor may be cast to, in the order a report lists them.
-CAST_TARGETS = tuple(
-    np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
-)
+# `_fused.stats_f32`'s running counts are folded in before its int64 sums could overflow (2**39 values), and
+# its error sums once this many calls have left some.
+_FOLD_VALUES = 1 << 38
+_FOLD_CALLS = 64
 
 # frexp's exponents of float64 values lie in [-1073, 1024]: shifted by this, they index bins from 0.
 _OFFSET = 1100
@@ -31,9 +44,9 @@ class CastReadiness:
     overflow: int  # finite values that would become inf or NaN (saturate, for a type without inf)
     flush: int  # non-zero values that would become zero
     subnormal: int  # values that would land subnormal (non-zero, below the target's smallest normal)
-    # ‖x − cast(x)‖₂ / ‖x‖₂ over the finite values that do not overflow (both norms over those), as
-    # `DiffAccumulator` gives it: exact squares, float64 sums per block, added exactly (right to 1e-12);
-    # None when those values are all zero.
+    # ‖x − cast(x)‖₂ / ‖x‖₂ over the finite values that do not overflow (both norms over those): exact
+    # squares, float64 sums per block in one fixed order (`casts.error_sums`), added exactly, the quotient's
+    # root correctly rounded from those (right to 1e-12); None when those values are all zero.
     rel_error: float | None
 
 
@@ -84,8 +97,12 @@ class StatsAccumulator:
     `start` is the flat index of its first value); workers' accumulators of the same tensor combine with
     `merge`. Counts and sums are exact (Python integers), so every chunking and every order of merges gives
     the same bits. Sums of x and x² are taken per binade: the mantissas of one binade are multiples of one
-    unit, so their float64 sums are exact; the cast errors are `DiffAccumulator`'s, over blocks counted
-    from the tensor's first value (a block cut by a chunk's edge waits for its other parts).
+    unit, so their float64 sums are exact. float32 values (and complex64's parts) take one pass of
+    `_fused.stats_f32` instead, which sums their integer significands per sign and exponent field in
+    int64 and 128-bit integers; its running counts are folded into the exact sums before a merge, a
+    result or a pickle. The cast errors are float64 sums of exact squares per block counted from the
+    tensor's first value (`casts.error_sums`; a block cut by a chunk's edge waits for its other parts),
+    taken in one order by `_fused` and by NumPy alike: the same bits whether `_fused` was built or not.
 
     Args:
         dtype: the tensor's dtype: bool, integer, floating (ml_dtypes' too) or complex.
@@ -112,8 +129,17 @@ class StatsAccumulator:
         self._int_sum = self._int_squares = 0  # integer tensors' sums
         self._bins = np.zeros(_BINS, np.int64)  # values per frexp exponent (+ _OFFSET), zeros in bin _OFFSET
         self._readiness = {t: [0, 0, 0] for t in self.targets}  # overflow, flush, subnormal
-        self._errors = {t: DiffAccumulator(2) for t in self.targets}
+        # The cast errors' exact sums (see `casts.error_sums`): x² up to 464, and per target (x − cast(x))² and
+        # the x² of the values above 464 that it keeps
+        self._base = ExactSum()
+        self._errors = {t: ExactSum() for t in self.targets}
+        self._above = {t: ExactSum() for t in self.targets}
         self._parts = BlockParts()  # values of blocks cut by chunk edges, for the cast errors
+        # float32 values' running counts from `_fused.stats_f32`, and its error sums not yet added: folded
+        # into the fields above by `_fold` (before a merge, a result, or a count its bins could not hold)
+        self._fused: np.ndarray | None = None
+        self._fused_count = 0
+        self._pending: list[np.ndarray] = []
 
     def add(self, values: Any, start: int) -> None:
         """Adds values of the tensor (any shape, taken in C order), the first at flat index `start`.
@@ -137,8 +163,14 @@ class StatsAccumulator:
         for a, b in ((0, head), (head + full, flat.size)):
             if b > a:
                 self._add_floats(flat[a:b], start + a, whole=False)
-        for a in range(head, head + full, PIECE):
-            self._add_floats(flat[a : min(a + PIECE, head + full)], start + a, whole=True)
+        step = STATS_CALL // 2 if fused_stats_ready(flat.dtype) else PIECE  # _fused takes long runs
+        for a in range(head, head + full, step):
+            self._add_floats(flat[a : min(a + step, head + full)], start + a, whole=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state to pickle (a worker's, sent to its parent): `_fused`'s running counts folded in first."""
+        self._fold()
+        return self.__dict__
 
     def merge(self, other: StatsAccumulator) -> None:
         """Adds the values of the same tensor that `other` has seen (another worker's chunks).
@@ -148,6 +180,8 @@ class StatsAccumulator:
         """
         if (other.dtype, other.targets) != (self.dtype, self.targets):
             raise ValueError("cannot merge statistics of different dtypes or cast targets")
+        self._fold()
+        other._fold()
         self.count += other.count
         self.nan += other.nan
         self.posinf += other.posinf
@@ -160,14 +194,17 @@ class StatsAccumulator:
         self._int_sum += other._int_sum
         self._int_squares += other._int_squares
         self._bins += other._bins
+        self._base.merge(other._base)
         for t in self.targets:
             self._readiness[t] = [a + b for a, b in zip(self._readiness[t], other._readiness[t], strict=True)]
             self._errors[t].merge(other._errors[t])
+            self._above[t].merge(other._above[t])
         for x in self._parts.merge(other._parts):
             self._add_block_errors(x)
 
     def result(self) -> TensorStats:
         """The statistics of every value added so far (a block seen in part is taken as the tensor's tail)."""
+        self._fold()
         for x in self._parts.rest():
             self._add_block_errors(x)
         exponents, subnormals = self._exponents()
@@ -195,6 +232,9 @@ class StatsAccumulator:
 
     def _add_floats(self, x: np.ndarray, start: int, whole: bool) -> None:
         """Adds floating values from flat index `start`; `whole`: they are whole blocks, else a fragment."""
+        if fused_stats_ready(x.dtype):
+            self._add_fused(x, start, whole)
+            return
         self.count += x.size
         # A signalling NaN in the data raises "invalid" when converted; it is a NaN all the same.
         with np.errstate(invalid="ignore"):
@@ -214,6 +254,54 @@ class StatsAccumulator:
             block = self._parts.add(start, x.copy())
             if block is not None:
                 self._add_block_errors(block)
+
+    def _add_fused(self, x: np.ndarray, start: int, whole: bool) -> None:
+        """Adds float32 values from flat index `start` through `_fused.stats_f32`; `whole` as `_add_floats`'."""
+        if self._fused is None:
+            self._fused = fused_stats_state()
+        errors = fused_stats(x, self._fused, start)
+        self.count += x.size
+        self._fused_count += x.size
+        if whole:
+            self._pending.append(errors)
+        else:
+            block = self._parts.add(start, x.copy())
+            if block is not None:
+                self._add_block_errors(block)
+        if self._fused_count >= _FOLD_VALUES or len(self._pending) >= _FOLD_CALLS:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Folds `_fused.stats_f32`'s running counts and error sums into the accumulator's own fields."""
+        if self._pending:
+            self._add_fused_errors(np.concatenate(self._pending))
+        self._pending = []
+        out, self._fused, self._fused_count = self._fused, None, 0
+        if out is None:
+            return
+        nan, posinf, neginf, zeros, _, lo, hi, peak, index = out[STATS_SCALARS : STATS_SCALARS + 9].tolist()
+        self.nan += nan
+        self.posinf += posinf
+        self.neginf += neginf
+        self.zeros += zeros
+        if peak >= 0:  # a value that is not NaN
+            lo, hi, peak = np.array([lo, hi, peak], np.uint32).view(np.float32).tolist()
+            self._extremes(lo + 0.0, hi + 0.0, peak, index)
+        self._bins[_OFFSET - 125 : _OFFSET + 129] += out[1:255]  # float32's exponent fields 1-254
+        self._bins[_OFFSET - 148 : _OFFSET - 125] += out[STATS_SUBNORMAL:STATS_SCALARS]
+        self._bins[_OFFSET] += zeros + nan + posinf + neginf  # as frexp gives them, for `_exponents`
+        for e in np.flatnonzero(out[:255]).tolist():
+            unit = max(e, 1) - 150  # a value is its significand times 2**unit
+            total = int(out[256 + e])
+            if total >= 0:
+                self._sum.add_int(total, unit)
+            else:
+                self._sum_neg.add_int(-total, unit)
+            self._squares.add_int((int(out[768 + e]) % 2**64) << 64 | int(out[512 + e]) % 2**64, 2 * unit)
+        casts = out[STATS_SCALARS + 9 :].reshape(-1, 3)
+        for t in self.targets:
+            i = CAST_TARGETS.index(t)
+            self._readiness[t] = [a + int(b) for a, b in zip(self._readiness[t], casts[i], strict=True)]
 
     def _count_nonfinite(self, w: np.ndarray, start: int) -> tuple[np.ndarray, int]:
         """Counts NaN and ±Inf and takes the extremes of the other values.
@@ -243,7 +331,7 @@ class StatsAccumulator:
 
     def _add_sums(self, w: np.ndarray) -> None:
         """Adds finite values' binades and their exact sums of x and x² (see `binade_sums`)."""
-        counts, sums, squares = binade_sums(w, _precision(self._part))
+        counts, sums, squares = binade_sums(w, precision(self._part))
         self._bins += counts
         for s in sums:
             used = np.flatnonzero(s)
@@ -278,24 +366,50 @@ class StatsAccumulator:
 
     def _add_casts(self, x: np.ndarray, finite: bool, zeros: int, errors: bool) -> None:
         """Counts what casting `x` (holding `zeros` zeros) to each target does; adds the errors where `errors`."""
+        casts = []
         for t in self.targets:
-            counts, kept, cast = _cast(x, t, finite, zeros)
+            wide = cast(x, t)
+            counts = cast_counts(x, wide, t, finite, zeros)
             self._readiness[t] = [a + b for a, b in zip(self._readiness[t], counts, strict=True)]
-            if errors:
-                self._errors[t].add(kept, cast)
+            casts.append(wide)
+        if errors and self.targets:
+            base, errs, over = error_sums(x, casts)
+            self._add_error_sums(base, errs, over)
 
     def _add_block_errors(self, x: np.ndarray) -> None:
         """Adds the cast errors of a block's values (or of a shorter run: the tensor's tail)."""
-        finite = bool(np.isfinite(x.astype(np.float64)).all())
-        for t in self.targets:
-            _, kept, cast = _cast(x, t, finite, 0)
-            errors = DiffAccumulator(2)  # a block of its own, whatever came before: a tail stays a tail
-            errors.add(kept, cast)
-            self._errors[t].merge(errors)
+        if fused_stats_ready(x.dtype):
+            self._add_fused_errors(fused_stats(x, fused_stats_state(), 0))  # its errors alone
+        elif self.targets:
+            self._add_error_sums(*error_sums(x, [cast(x, t) for t in self.targets]))
+
+    def _add_fused_errors(self, errors: np.ndarray) -> None:
+        """Adds the error sums of `_fused.stats_f32` (nine per block: its targets are `CAST_TARGETS`)."""
+        columns = np.array([CAST_TARGETS.index(t) for t in self.targets], np.intp)
+        self._add_error_sums(errors[:, 0], errors[:, 1 + columns], errors[:, 5 + columns])
+
+    def _add_error_sums(self, base: np.ndarray, errors: np.ndarray, above: np.ndarray) -> None:
+        """Adds blocks' sums of x² up to 464, and per target (a column each) of (x − cast(x))² and of the x²
+        of the values above 464 that it keeps (`casts.error_sums`)."""
+        if not self.targets:
+            return
+        self._base.add_many(base)
+        for i, t in enumerate(self.targets):
+            self._errors[t].add_many(errors[:, i])
+            self._above[t].add_many(above[:, i])
 
     def _cast_readiness(self, t: np.dtype) -> CastReadiness:
         overflow, flush, subnormal = self._readiness[t]
-        return CastReadiness(t.name, overflow, flush, subnormal, self._errors[t].result().rel)
+        kept = ExactSum.of(self._base.acc, self._base.low)
+        kept.merge(self._above[t])
+        error = self._errors[t]
+        if not kept.acc:
+            rel = None
+        elif not error.acc:
+            rel = 0.0
+        else:
+            rel = ldexp(*int_root(*int_quotient(error.acc, error.low, kept.acc, kept.low), 2.0))
+        return CastReadiness(t.name, overflow, flush, subnormal, rel)
 
     # --- results ------------------------------------------------------------------------------------
 
@@ -398,66 +512,6 @@ def _limbs(f: np.ndarray, precision: int) -> tuple[int, list[np.ndarray]]:
     return bits, limbs
 
 
-def _cast(x: np.ndarray, target: np.dtype, finite: bool, zeros: int) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Casts values to `target` (round-to-nearest-even) and counts what happens to them.
-
-    Args:
-        x: the values, of the tensor's dtype (a complex tensor's parts).
-        target: the dtype cast to.
-        finite: whether every value is finite.
-        zeros: how many values are zero.
-
-    Returns:
-        [overflow, flush, subnormal]; the values and their casts to compare (float32 for float8 targets),
-        both 0 where a value is not finite or overflows.
-    """
-    source = x if x.dtype.kind == "f" else x.astype(np.float32)  # ml_dtypes' floats widen exactly to float32
-    if source.dtype == np.float64:  # ml_dtypes rounds float64 twice (through float32): rounded here, once
-        cast = wide = _rounded(source, target)
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):  # overflowing casts are what is counted here
-            cast = source.astype(target)
-        wide = _widened(target)[cast.view(np.uint8 if target.itemsize == 1 else np.uint16)]
-    numbers = np.isfinite(wide)
-    overflow = x.size - int(np.count_nonzero(numbers))
-    if not finite:
-        overflow -= int(np.count_nonzero(~np.isfinite(x.astype(np.float64))))
-    zero = int(np.count_nonzero(wide == 0.0))
-    tiny = float(ml_dtypes.finfo(target).smallest_normal)
-    subnormal = int(np.count_nonzero(np.abs(wide) < tiny)) - zero
-    if overflow or not finite:
-        kept = numbers & np.isfinite(x.astype(np.float64))
-        # as floats: float8_e8m0fnu has no zero (its bits 0 are 2**-127)
-        x, cast, wide = (np.where(kept, v, np.zeros((), v.dtype)) for v in (source, cast, wide))
-    return [overflow, zero - zeros, subnormal], x, wide if target.itemsize == 1 else cast
-
-
-def _rounded(w: np.ndarray, target: np.dtype) -> np.ndarray:
-    """float64 values rounded to nearest even in `target` (inf beyond its largest finite value), exactly.
-
-    Each value is scaled by a power of two so that its last place in `target` (that of the binade, or of
-    the subnormals) becomes 1, rounded to an integer by np.rint (to even on ties) and scaled back.
-    """
-    info = ml_dtypes.finfo(target)
-    smallest = math.frexp(float(info.smallest_normal))[1] - 1
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN and Inf stay NaN and Inf
-        shift = np.maximum(np.frexp(w)[1] - 1, smallest) - (_precision(target) - 1)
-        r = np.ldexp(np.rint(np.ldexp(w, -shift)), shift)
-        return np.where(np.abs(r) > float(info.max), np.copysign(np.inf, w), r)
-
-
-_tables: dict[np.dtype, np.ndarray] = {}
-
-
-def _widened(target: np.dtype) -> np.ndarray:
-    """Every value of an 8- or 16-bit float as float32, indexed by its bits: a faster widening than a cast."""
-    table = _tables.get(target)
-    if table is None:
-        bits = np.arange(1 << (8 * target.itemsize), dtype=np.uint8 if target.itemsize == 1 else np.uint16)
-        table = _tables[target] = bits.view(target).astype(np.float32)
-    return table
-
-
 def _extremes_of(v: np.ndarray, i_lo: int, i_hi: int, where: np.ndarray, start: int) -> tuple[float, float, float, int]:
     """A chunk's smallest and largest value (at i_lo and i_hi of `v`), its largest magnitude and that one's flat index.
 
@@ -479,11 +533,6 @@ def _peak_of(lo: float | int, hi: float | int, i_lo: int, i_hi: int) -> tuple[fl
 def _part_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype of a complex dtype's parts; any other dtype itself."""
     return np.dtype(f"f{dtype.itemsize // 2}") if dtype.kind == "c" else dtype
-
-
-def _precision(dtype: np.dtype) -> int:
-    """The significant bits of a floating dtype's values (the implicit bit included)."""
-    return int(ml_dtypes.finfo(dtype).nmant) + 1
 
 
 def _dyadic_over(total: int, low: int, n: int) -> float:

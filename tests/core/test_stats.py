@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 from collections import Counter
 from fractions import Fraction
 
@@ -13,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clipcli.core import blocks
 from clipcli.core.blocks import BLOCK
 from clipcli.core.stats import CAST_TARGETS, StatsAccumulator, TensorStats, default_casts, tensor_stats
 
@@ -24,6 +26,11 @@ FLOATS = [
     ml_dtypes.float8_e4m3fn,
     ml_dtypes.float8_e5m2,
     ml_dtypes.float8_e8m0fnu,
+    *(  # the other float8 kinds clipcli reads, those this ml_dtypes has
+        getattr(ml_dtypes, n)
+        for n in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4")
+        if hasattr(ml_dtypes, n)
+    ),
 ]
 INTEGERS = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
 COMPLEX = [np.complex64, np.complex128]
@@ -193,7 +200,7 @@ def assert_matches(s: TensorStats, ref: dict, t: np.ndarray) -> None:
         assert (got.dtype, got.overflow, got.flush, got.subnormal) == (target, overflow, flush, subnormal), target
         if rel is None:
             assert got.rel_error is None
-        else:  # DiffAccumulator's block sums: exactly widened values, float64 sums per block added exactly
+        else:  # exact squares, float64 sums per block in a fixed order, added exactly
             assert got.rel_error == pytest.approx(rel, rel=1e-12, abs=0), target
 
 
@@ -370,3 +377,88 @@ def test_merging_chunks_in_any_order_gives_the_bits_of_one_pass(case):
     chunks = len({0, *cuts, t.size}) - 1
     order = [i for i in order if i < chunks] or [0]  # an empty tensor: no chunk, one empty accumulator
     assert repr(fed(t, cuts, order)) == repr(tensor_stats(t))
+
+
+# --- the fused loop (clipcli/_fused.c, stats_f32) against the NumPy path, bit for bit ----------------------
+
+needs_loops = pytest.mark.skipif(blocks._fused is None, reason="clipcli/_fused.c was not built (no compiler?)")
+
+# Every kind of float32 the loop tells apart: NaN (quiet, signalling, negative), ±inf, ±0, subnormals,
+# each target's flush, subnormal and overflow edges and neighbours, 464 (float8_e4m3fn's last kept) and
+# its neighbour, bfloat16's overflow tie and float32's largest
+EDGES32 = np.array(
+    [
+        *(0x7FC00000, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0, 0x80000000, 1, 0x807FFFFF, 0x8000, 0x8001),
+        *(0x33000000, 0x33000001, 0x387FE000, 0x387FDFFF, 0x477FF000, 0x477FEFFF, 0x43E80000, 0x43E80001),
+        *(0x3A800000, 0x3C700000, 0x47700000, 0x476FFFFF, 0x37000000, 0x38600000, 0x7F7F8000, 0x7F7F7FFF, 0x7F7FFFFF),
+    ],
+    np.uint32,
+)
+
+
+def planted32(n: int, seed: int) -> np.ndarray:
+    """float32 values of every scale, a share of them made edges of `EDGES32` (either sign)."""
+    rng = np.random.default_rng(seed)
+    v = (rng.standard_normal(n) * np.exp2(rng.integers(-140, 100, n))).astype(np.float32)
+    bits = v.view(np.uint32)
+    where = rng.random(n) < 0.05
+    bits[where] = rng.choice(EDGES32, int(where.sum())) ^ (rng.integers(0, 2, int(where.sum()), np.uint32) << 31)
+    return v
+
+
+def without_loops(monkeypatch, f, *args):
+    """f(*args) on the NumPy path: `_fused` taken away for the call."""
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "_fused", None)
+        return f(*args)
+
+
+@needs_loops
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fused_loop_gives_the_bits_of_numpy_for_every_kind_of_float32(monkeypatch, seed):
+    t = planted32(3 * BLOCK + 1001, seed)
+    cuts = [3, 4000, BLOCK + 17, 2 * BLOCK, 2 * BLOCK + 8, 3 * BLOCK + 999]
+    fused = fed(t, cuts, [4, 0, 6, 2, 1, 5, 3])
+    assert repr(fused) == repr(without_loops(monkeypatch, fed, t, cuts, [2, 6, 5, 4, 0, 1, 3]))
+    assert repr(fused) == repr(tensor_stats(t))
+    with np.errstate(invalid="ignore"):  # the reference widens signalling NaNs
+        assert_matches(fused, reference(t), t)
+
+
+@needs_loops
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(0, 2 * BLOCK), st.integers(1, 100))
+def test_any_float32_bits_give_the_bits_of_numpy(bits, filler, cut):
+    # random bit patterns: NaN payloads, subnormals and every exponent, in a run of ordinary values
+    t = np.concatenate([np.array(bits, np.uint32).view(np.float32), np.linspace(-2, 3, filler, dtype=np.float32)])
+    cuts = [min(cut, t.size), max(t.size - cut, 0)]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(blocks, "_fused", None)
+        slow = fed(t, cuts)
+    assert repr(fed(t, cuts, list(range(len({0, *cuts, t.size}) - 2, -1, -1)) or [0])) == repr(slow)
+    with np.errstate(invalid="ignore"):  # the reference widens signalling NaNs
+        assert_matches(tensor_stats(t), reference(t), t)
+
+
+@needs_loops
+def test_complex64_parts_take_the_fused_loop_with_the_same_bits(monkeypatch):
+    t = planted32(2 * BLOCK + 6, 7).view(np.complex64)
+    assert repr(tensor_stats(t)) == repr(without_loops(monkeypatch, tensor_stats, t))
+
+
+def test_cast_errors_beside_values_that_overflow_keep_their_precision():
+    # found when the norm kept by a cast was the sum of all finite x² less those that overflow: 1e10's
+    # square swamped the small values' (float16's rel_error was off by 2e-9)
+    t = np.concatenate([np.array([1e5, -3e5, 1e10], np.float32), sample(np.float32, BLOCK, seed=4) * 1e-3])
+    assert_matches(tensor_stats(t, CAST_TARGETS), reference(t, CAST_TARGETS), t)
+
+
+def test_a_pickled_accumulator_is_small_and_merges_to_the_bits_of_one_pass():
+    t = planted32(5 * BLOCK + 3, 8)
+    head, tail = StatsAccumulator(t.dtype), StatsAccumulator(t.dtype)
+    head.add(t[: 2 * BLOCK + 5], 0)
+    tail.add(t[2 * BLOCK + 5 :], 2 * BLOCK + 5)
+    sent = pickle.dumps(tail)  # a worker's accumulator, as the engine sends it
+    assert len(sent) < 64 << 10  # no per-value state: the counts, sums and the values of blocks cut in two
+    head.merge(pickle.loads(sent))
+    assert repr(head.result()) == repr(tensor_stats(t))

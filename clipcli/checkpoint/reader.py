@@ -291,11 +291,17 @@ def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) ->
     """Opens a checkpoint (a file, a sharded index or a directory), reading headers only.
 
     The suffix names the format; a file whose name has none that clipcli knows is read as what its first
-    bytes show it is. `store` is where its files are read from (by default the file system).
+    bytes show it is. `store` is where its files are read from (by default the file system, or for a URL given
+    as text, `https://...`, `hf://...`, `s3://...`, the remote store of its protocol).
 
     Raises:
         MissingFileError, FileTypeError, MalformedError, UnsupportedError: as the input deserves.
     """
+    if store is None and isinstance(path, str) and "://" in path:  # a URL: read through fsspec
+        from clipcli.checkpoint.remote import is_url, open_store
+
+        if is_url(path):
+            store, path = open_store(path)
     path = Path(path)
     if os.fspath(path) == "-":
         raise FileTypeError("clipcli reads checkpoints from files, not from standard input; save it to a file", path)

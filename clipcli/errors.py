@@ -64,7 +64,8 @@ def shown_path(path: str) -> str:
     return f"./{path}" if path.startswith("-") and path != "-" else path
 
 
-_PATH_OF_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+:/)(?!/)")  # a scheme of one letter would be a Windows drive
+# a scheme of one letter would be a Windows drive; `file:/tmp/a` is a file URL as it is
+_PATH_OF_URL = re.compile(r"(?![Ff][Ii][Ll][Ee]:)([A-Za-z][A-Za-z0-9+.-]+:/)(?!/)")
 
 
 def _one_line(text: str) -> str:

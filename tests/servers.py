@@ -6,6 +6,7 @@ import contextlib
 import email.utils
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -35,6 +36,7 @@ class RangeServer(ThreadingHTTPServer):
         self.fail: list[str] = []
         self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
         self.sent = 0
+        self.ignore_range = False  # answer every GET with the whole file, as a server without Range support does
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.lock = threading.Lock()
 
@@ -71,14 +73,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(status, {**headers, "Content-Length": str(len(data))}, data if body else b"")
             return
         file = self.server.files.get(path.lstrip("/"))
-        if file is None:
-            self._send(404, {"Content-Length": "9"}, b"not found" if body else b"")
+        if file is None:  # the Hub says which kind of 404 it is
+            headers = {"X-Error-Code": "RepoNotFound"} if path.startswith("/api/models/") else {}
+            self._send(404, {**headers, "Content-Length": "9"}, b"not found" if body else b"")
             return
         size = os.path.getsize(file)
         start, end = 0, size
         status = 200
         match = _RANGE.match(self.headers.get("Range") or "")
-        if match and size:
+        if match and size and not self.server.ignore_range:
             first, last = match.groups()
             start, end = (size - int(last), size) if not first else (int(first), min(size, int(last or size - 1) + 1))
             status = 206
@@ -149,6 +152,8 @@ def s3_server(bucket: str, files: dict[str, Path]) -> Iterator[str]:
     variables point at it (`AWS_ENDPOINT_URL`, test credentials) until the block ends."""
     import boto3
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request on stderr
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

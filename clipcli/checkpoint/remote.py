@@ -88,7 +88,8 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
         raise UsageError(f"reading {protocol}:// URLs needs {package}: {INSTALL}", url) from e
     except ValueError as e:  # fsspec: "Protocol not known"
         raise UsageError(f"no reader knows the protocol {protocol}://", url) from e
-    return RemoteStore(fs, protocol), Path(url)
+    slashes = len(url) - len(url[len(protocol) + 1 :].lstrip("/")) - len(protocol) - 1
+    return RemoteStore(fs, protocol, slashes), Path(url)
 
 
 class RemoteSource:
@@ -120,7 +121,7 @@ class RemoteSource:
 
     def _get(self, offset: int, n: int) -> bytes:
         def get() -> bytes:
-            data = self._store.fs.cat_file(self.name, start=offset, end=offset + n)
+            data = self._store.fs.cat_file(self.name, start=offset, end=offset + n, **self._store.read_options)
             if len(data) > n:
                 raise OSError(f"the server does not honour range requests ({len(data):,} bytes for {n:,})")
             if len(data) < n:
@@ -135,24 +136,31 @@ class RemoteStore:
 
     forkable = False  # an fsspec event loop does not survive a fork: the engine's workers are threads here
 
-    def __init__(self, fs: Any, protocol: str):
+    def __init__(self, fs: Any, protocol: str, slashes: int = 2):
         self.fs = fs
         self.protocol = protocol
+        self._slashes = slashes  # after the scheme: 2, or 3 in `file:///tmp/a`
         self._info: dict[str, dict[str, Any] | None] = {}
         self._sources: dict[str, RemoteSource] = {}
+        # a file system that reads through its buffered file objects (the Hub's) reads ahead a block: not here
+        from fsspec.asyn import AsyncFileSystem
+        from fsspec.spec import AbstractFileSystem
+
+        generic = type(fs).cat_file is AbstractFileSystem.cat_file and not isinstance(fs, AsyncFileSystem)
+        self.read_options = {"cache_type": "none"} if generic else {}
         self._lock = threading.Lock()
 
     def url(self, path: Path | str) -> str:
-        """The URL of a path inside clipcli (`https:/host/a` → `https://host/a`)."""
+        """The URL of a path inside clipcli (`https:/host/a` → `https://host/a`); a URL stays as it is."""
         text = os.fspath(path)
         head = f"{self.protocol}:/"
         if text.lower().startswith(head) and not text[len(head) :].startswith("/"):
-            return f"{text[: len(head)]}/{text[len(head) :]}"
+            return f"{text[: len(head) - 1]}{'/' * self._slashes}{text[len(head) :]}"
         return text
 
     def _path(self, name: str) -> Path:
         """The path inside clipcli of a name that the file system lists (with or without its protocol)."""
-        return Path(name if "://" in name else f"{self.protocol}://{name.lstrip('/')}")
+        return Path(name if "://" in name else f"{self.protocol}:/{name.lstrip('/')}")
 
     def info(self, path: Path | str) -> dict[str, Any] | None:
         """fsspec's `info` of the path, or None when nothing is there."""
@@ -227,6 +235,8 @@ def retried(call: Any) -> Any:
         except (FileNotFoundError, PermissionError, IsADirectoryError):
             raise
         except Exception as e:
+            if _status(e) == 404:  # a client library's own error for it (the Hub's for a missing repository)
+                raise FileNotFoundError(2, "No such file or directory", _describe(e)) from e
             if attempt + 1 < ATTEMPTS and _transient(e):
                 time.sleep(BACKOFF_S * 2**attempt)
                 continue
@@ -236,16 +246,23 @@ def retried(call: Any) -> Any:
     raise AssertionError("unreachable")
 
 
-def _transient(e: BaseException) -> bool:
+def _status(e: BaseException) -> int | None:
+    """The HTTP status an error of a client library carries (aiohttp's `status`, httpx's and requests'
+    `response.status_code`), if any."""
     status = getattr(e, "status", None)
     if status is None:
         status = getattr(getattr(e, "response", None), "status_code", None)
-    if isinstance(status, int):
+    return status if isinstance(status, int) else None
+
+
+def _transient(e: BaseException) -> bool:
+    status = _status(e)
+    if status is not None:
         return status >= 500 or status in (408, 429)
     return any(c.__name__ in _TRANSIENT for c in type(e).__mro__) or isinstance(e, ConnectionError)
 
 
 def _describe(e: BaseException) -> str:
-    status = getattr(e, "status", None) or getattr(getattr(e, "response", None), "status_code", None)
+    status = _status(e)
     text = " ".join(str(e).split())[:200] or type(e).__name__
-    return f"HTTP {status}: {text}" if isinstance(status, int) and str(status) not in text else text
+    return f"HTTP {status}: {text}" if status is not None and str(status) not in text else text

@@ -99,7 +99,8 @@ Checkpoints = Annotated[
         parser=parse_path,
         help="Checkpoints: .safetensors, .npz, .npy or PyTorch (.pt, .pth, .bin, .ckpt) files, sharded indexes "
         "(*.safetensors.index.json, pytorch_model.bin.index.json), or directories (shards, or a "
-        "torch.distributed.checkpoint).",
+        "torch.distributed.checkpoint); each a path or a URL (https://, hf://ORG/REPO/PATH, s3://, gs://: "
+        "pip install 'clipcli[remote]').",
         show_default=False,
     ),
 ]

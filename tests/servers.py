@@ -104,9 +104,9 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(data)
-        with self.server.lock:
+        with self.server.lock:  # counted before it is sent: a client that has the bytes sees them counted
             self.server.sent += len(data)
+        self.wfile.write(data)
 
     def _send_file(self, status: int, file: Path, start: int, end: int, size: int, cut: bool = False) -> None:
         self.send_response(status)
@@ -117,6 +117,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.flush()
         todo = (end - start) // 2 if cut else end - start
+        with self.server.lock:  # counted before it is sent, as in _send
+            self.server.sent += todo
         with open(file, "rb") as f:
             at = start
             while todo > 0:  # sendfile: the loopback benchmark measures clipcli, not this server
@@ -125,8 +127,6 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 at += n
                 todo -= n
-                with self.server.lock:
-                    self.server.sent += n
         if cut:
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)

@@ -302,6 +302,11 @@ def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) ->
 
         if is_url(path):
             store, path = open_store(path)
+            try:
+                return open_checkpoint(path, store)
+            except BaseException:
+                store.close()
+                raise
     path = Path(path)
     if os.fspath(path) == "-":
         raise FileTypeError("clipcli reads checkpoints from files, not from standard input; save it to a file", path)

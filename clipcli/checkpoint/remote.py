@@ -1,8 +1,9 @@
-"""Checkpoints at URLs: a `Store` over fsspec (`https://`, `hf://`, `s3://`, `gs://`, any protocol it knows).
+"""Checkpoints at URLs: a `Store` over fsspec (`hf://`, `s3://`, `gs://`, any protocol it knows) or `httpfs`.
 
-Nothing here imports fsspec until a URL is opened. Inside clipcli a URL travels as the `Path` that pathlib
-makes of it (`https://host/a` becomes `https:/host/a`: parents, names and suffixes work as for files), and the
-store turns it back into the URL for each request; `errors.shown_path` restores the `//` for people.
+Nothing here imports fsspec until such a URL is opened; `https://` and `http://` need no extra (`httpfs`: the
+standard library's client). Inside clipcli a URL travels as the `Path` that pathlib makes of it
+(`https://host/a` becomes `https:/host/a`: parents, names and suffixes work as for files), and the store turns
+it back into the URL for each request; `errors.shown_path` restores the `//` for people.
 
 Every read is one ranged request (fsspec's `cat_file(url, start, end)`): headers through a buffered file
 object, tensors' bytes chunk by chunk from the engine's threads (several requests in flight). A transient
@@ -20,18 +21,16 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from clipcli.checkpoint.httpfs import ShortReadError
 from clipcli.checkpoint.source import Source, SourceFile
 from clipcli.errors import UsageError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 ATTEMPTS = 5  # tries of one request before its error is the user's
 BACKOFF_S = 0.1  # the wait before the second try; doubled before each next one
-_BODY_BUFFER = 4 << 20  # aiohttp's read buffer: one engine chunk (CHUNK_BYTES)
 _HEAD_BUFFER = 64 << 10  # bytes a header read asks for at once (a safetensors header: one or two requests)
 INSTALL = "pip install 'clipcli[remote]'"
 _PACKAGES = {  # what a protocol needs beyond fsspec (the name to install, for the message)
-    "http": "aiohttp",
-    "https": "aiohttp",
     "s3": "s3fs",
     "s3a": "s3fs",
     "gs": "gcsfs",
@@ -57,10 +56,6 @@ _TRANSIENT = {  # exception types (by name: the client libraries are optional) w
 }
 
 
-class ShortReadError(OSError):
-    """A response body shorter than the range asked for, before the end of the file."""
-
-
 def is_url(path: object) -> bool:
     """Whether `path` is a URL (`scheme://...`, as text): a `Path` never is one."""
     return isinstance(path, str) and _URL.match(path) is not None
@@ -73,6 +68,11 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
         UsageError: when the protocol is unknown, or the package it needs is not installed (naming it).
     """
     protocol = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    slashes = len(url) - len(url[len(protocol) + 1 :].lstrip("/")) - len(protocol) - 1
+    if protocol in ("http", "https"):
+        from clipcli.checkpoint.httpfs import HttpFileSystem
+
+        return RemoteStore(HttpFileSystem(), protocol, slashes), Path(url)
     try:
         import fsspec
     except ImportError as e:
@@ -80,8 +80,6 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
     for name in _LOGGERS:  # their warnings and retries are theirs: clipcli's error is the one line the user sees
         logging.getLogger(name).addHandler(logging.NullHandler())
     options: dict[str, Any] = {}
-    if protocol in ("http", "https"):  # aiohttp reads a body 64 KiB at a time by default: 3x slower than this
-        options["client_kwargs"] = {"read_bufsize": _BODY_BUFFER}
     if protocol == "hf" and os.environ.get("HF_ENDPOINT"):
         options["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")  # read now, not when huggingface_hub was imported
     try:
@@ -91,8 +89,12 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
         raise UsageError(f"reading {protocol}:// URLs needs {package}: {INSTALL}", url) from e
     except ValueError as e:  # fsspec: "Protocol not known"
         raise UsageError(f"no reader knows the protocol {protocol}://", url) from e
-    slashes = len(url) - len(url[len(protocol) + 1 :].lstrip("/")) - len(protocol) - 1
-    return RemoteStore(fs, protocol, slashes), Path(url)
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.spec import AbstractFileSystem
+
+    # a file system that reads through its buffered file objects (the Hub's) would read ahead a block: not here
+    generic = type(fs).cat_file is AbstractFileSystem.cat_file and not isinstance(fs, AsyncFileSystem)
+    return RemoteStore(fs, protocol, slashes, {"cache_type": "none"} if generic else {}), Path(url)
 
 
 class RemoteSource:
@@ -119,8 +121,15 @@ class RemoteSource:
                     self._head = self._get(0, min(_HEAD_BUFFER, self._size))
             view[:n] = self._head[offset : offset + n]
             return n
-        view[:n] = self._get(offset, n)
+        self._get_into(offset, view[:n])
         return n
+
+    def _get_into(self, offset: int, view: memoryview) -> None:
+        read_into = getattr(self._store.fs, "read_into", None)
+        if read_into is None:
+            view[:] = self._get(offset, len(view))
+        else:  # straight into the buffer
+            retried(lambda: read_into(self.name, offset, view))
 
     def _get(self, offset: int, n: int) -> bytes:
         def get() -> bytes:
@@ -139,18 +148,13 @@ class RemoteStore:
 
     forkable = False  # an fsspec event loop does not survive a fork: the engine's workers are threads here
 
-    def __init__(self, fs: Any, protocol: str, slashes: int = 2):
+    def __init__(self, fs: Any, protocol: str, slashes: int = 2, read_options: dict[str, Any] | None = None):
         self.fs = fs
         self.protocol = protocol
         self._slashes = slashes  # after the scheme: 2, or 3 in `file:///tmp/a`
+        self.read_options = read_options or {}  # for every cat_file
         self._info: dict[str, dict[str, Any] | None] = {}
         self._sources: dict[str, RemoteSource] = {}
-        # a file system that reads through its buffered file objects (the Hub's) reads ahead a block: not here
-        from fsspec.asyn import AsyncFileSystem
-        from fsspec.spec import AbstractFileSystem
-
-        generic = type(fs).cat_file is AbstractFileSystem.cat_file and not isinstance(fs, AsyncFileSystem)
-        self.read_options = {"cache_type": "none"} if generic else {}
         self._lock = threading.Lock()
 
     def url(self, path: Path | str) -> str:
@@ -222,7 +226,9 @@ class RemoteStore:
         raise RuntimeError("a remote store is read by threads, not forked workers")
 
     def close(self) -> None:
-        pass
+        close = getattr(self.fs, "close_connections", None)  # httpfs's; fsspec's file systems keep theirs
+        if close is not None:
+            close()
 
 
 def retried(call: Any) -> Any:

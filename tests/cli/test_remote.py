@@ -1,5 +1,6 @@
 """Commands over URLs, against real servers on the loopback interface (HTTP with Range, moto's S3, a stand-in for
-the Hugging Face Hub): the same JSON as the local files, paths apart; bytes fetched counted by the server."""
+the Hugging Face Hub): the same JSON as the local files, paths apart; bytes fetched counted by the server.
+HTTP needs no extra; S3 and the Hub (fsspec, s3fs, huggingface_hub, moto) skip without theirs."""
 
 from __future__ import annotations
 
@@ -16,9 +17,6 @@ from safetensors.numpy import save_file
 from clipcli.checkpoint import remote as _remote
 from tests.helpers import DATA, SAMPLES, fnorm, ok, run
 from tests.servers import hub_routes, range_server, s3_server
-
-pytest.importorskip("fsspec")
-pytest.importorskip("aiohttp")
 
 GIB = 1 << 30
 PATHS = {
@@ -171,18 +169,21 @@ def test_outputs_are_local_paths(http, tmp_path):
     assert result.exit_code == 2
 
 
-def test_without_the_remote_extra_a_url_is_a_usage_error_naming_it(http):
+def test_without_the_remote_extra_https_reads_and_s3_is_a_usage_error_naming_it(http):
     code = (
         "import sys; sys.modules['fsspec'] = None\n"
         "from clipcli.cli import main\n"
-        f"main(['inspect', {http.url + '/grads.safetensors'!r}])\n"
+        "try: main(['global-norm', '--format', 'json', sys.argv[1]])\n"
+        "except SystemExit as e: print(e.code)\n"
+        "main(['inspect', 's3://bucket/grads.safetensors'])\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    url = f"{http.url}/grads.safetensors"
+    done = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, check=False)
     assert done.returncode == 2
-    assert done.stderr == (
-        f"clipcli: error: {http.url}/grads.safetensors: reading http:// URLs needs fsspec: "
-        "pip install 'clipcli[remote]'\n"
-    )
+    needs = "reading s3:// URLs needs fsspec: pip install 'clipcli[remote]'"
+    assert done.stderr == f"clipcli: error: s3://bucket/grads.safetensors: {needs}\n"
+    report = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
+    assert without_paths(report) == without_paths(as_json("global-norm", SAMPLES / "grads.safetensors"))
 
 
 def test_a_local_run_imports_nothing_remote(tmp_path):
@@ -191,8 +192,8 @@ def test_a_local_run_imports_nothing_remote(tmp_path):
         "for argv in (['--help'], ['inspect', {!r}]):\n"
         "    try: main(argv)\n"
         "    except SystemExit: pass\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fsspec', 'aiohttp', 'clipcli.checkpoint.remote')"
-        " or m == 'clipcli.checkpoint.remote'))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fsspec', 'aiohttp', 'http')"
+        " or m.startswith(('clipcli.checkpoint.remote', 'clipcli.checkpoint.httpfs'))))"
     ).format(str(SAMPLES / "grads.safetensors"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
@@ -204,6 +205,7 @@ def test_a_local_run_imports_nothing_remote(tmp_path):
 
 @pytest.fixture(scope="module")
 def s3(files, tmp_path_factory):
+    pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     objects = {k: v for k, v in files.items() if k != "big.safetensors"}
@@ -245,6 +247,7 @@ def test_a_missing_s3_key_is_exit_3_with_one_line(s3):
 
 @pytest.fixture(scope="module")
 def hub_server(files):
+    pytest.importorskip("fsspec")
     pytest.importorskip("huggingface_hub")
     with range_server({}) as server:
         hub_routes(server, "org/model", "main", {k: v for k, v in files.items() if k != "big.safetensors"})

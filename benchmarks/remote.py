@@ -6,8 +6,9 @@
 Needs the remote extra (`pip install -e '.[remote]'`) and curl. The server is the tests' (`tests/servers.py`:
 Python's threading HTTP server, bodies sent with `sendfile`), run in a process of its own so that neither side
 shares its GIL. The checkpoint is generated into benchmarks/data/ (git-ignored) when missing and the page cache
-warmed first. Prints the median wall time of each side over --reps alternating pairs and their ratio. The
-machine is shared and noisy: only ratios measured side by side in one run mean anything.
+warmed first. Prints the median wall time of each side over --reps alternating pairs and their ratio, and
+beside them clipcli's on the local file (timed in the same rounds): what the network costs it. The machine
+is shared and noisy: only ratios measured side by side in one run mean anything.
 """
 
 from __future__ import annotations
@@ -73,15 +74,16 @@ def main(argv: list[str] | None = None) -> None:
         env_path = os.pathsep.join(p for p in (str(ROOT), ENV.get("PYTHONPATH", "")) if p)
         ENV["PYTHONPATH"] = env_path
         print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB over {url.rsplit('/', 1)[0]}, {args.reps} pairs")
-        print("| command | clipcli median | curl median | ratio |")
-        print("|---|---:|---:|---:|")
+        print("| command | clipcli, the URL | curl -o /dev/null | ratio | clipcli, the local file |")
+        print("|---|---:|---:|---:|---:|")
         for jobs in [j for j in args.jobs.split(",") if j] or [None]:
-            ours = clip + ([] if jobs is None else ["--jobs", jobs])
+            extra = [] if jobs is None else ["--jobs", jobs]
+            ours, local = clip + extra, [*shlex.split(args.clipcli), "global-norm", str(path), "--quiet", *extra]
             timed(ours), timed(curl)  # a first pair for the caches, not counted
-            pairs = [(timed(ours), timed(curl)) for _ in range(args.reps)]
-            a, b = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+            runs = [(timed(ours), timed(curl), timed(local)) for _ in range(args.reps)]
+            a, b, c = (statistics.median(r[k] for r in runs) for k in range(3))
             label = "global-norm" + ("" if jobs is None else f" --jobs {jobs}")
-            print(f"| {label} | {a:.2f} s | {b:.2f} s | {a / b:.2f}x |", flush=True)
+            print(f"| {label} | {a:.2f} s | {b:.2f} s | {a / b:.2f}x | {c:.2f} s |", flush=True)
     finally:
         server.terminate()
         server.wait()

@@ -52,6 +52,7 @@ class RangeServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: one connection carries many ranged requests
+    disable_nagle_algorithm = True  # as web servers do (nginx's tcp_nodelay): no body's tail waits for an ACK
     server: RangeServer
 
     def log_message(self, *args: Any) -> None:

@@ -58,6 +58,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
         f.truncate(8 + len(header) + GIB)
         f.seek(0, 2)
         f.write(np.linspace(-3, 3, 1000, dtype=np.float32).tobytes())
+    wide = tmp / "wide.safetensors"  # 80 MiB, past the size where local reads fork their workers
+    save_file({"w": np.zeros(1, np.float32)}, str(wide))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [20 << 20], "data_offsets": [0, 80 << 20]}}).encode()
+    with open(wide, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + (80 << 20) - 4)
+        f.seek(0, 2)
+        f.write(np.float32(3).tobytes())
     values = tmp / "values.safetensors"
     rng = np.random.default_rng(7)
     save_file({f"layer{i}.w": rng.standard_normal(1 << 20).astype(np.float32) for i in range(6)}, str(values))
@@ -66,6 +74,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "pytorch_model.bin": SAMPLES / "pytorch_model.bin",
         "big.safetensors": big,
         "values.safetensors": values,
+        "wide.safetensors": wide,
     }
     for p in (SAMPLES / "sharded").iterdir():
         out[f"sharded/{p.name}"] = p
@@ -141,6 +150,13 @@ def test_the_workers_give_the_same_bytes_as_one(http, jobs):
     assert ok("global-norm", url, "--format", "json", "--jobs", jobs).stdout == one
 
 
+def test_a_large_url_is_read_by_threads_not_forked_workers(http, files):
+    # a forked worker would share the parent's connections (and fsspec's event loop): the engine's threads read
+    report = as_json("global-norm", f"{http.url}/wide.safetensors", "--jobs", "2")
+    assert without_paths(report) == without_paths(as_json("global-norm", files["wide.safetensors"], "--jobs", "2"))
+    assert report["checkpoints"][0]["global_norm"] == 3.0
+
+
 @pytest.mark.parametrize("failure", ["503", "cut"])
 def test_a_failure_mid_stream_is_retried_and_the_result_is_the_same(http, quick, failure):
     url = f"{http.url}/values.safetensors"
@@ -208,7 +224,7 @@ def s3(files, tmp_path_factory):
     pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    objects = {k: v for k, v in files.items() if k != "big.safetensors"}
+    objects = {k: v for k, v in files.items() if k not in ("big.safetensors", "wide.safetensors")}
     dcp = DATA / "dcp" / "sharded"
     objects.update({f"dcp/{p.relative_to(dcp)}": p for p in dcp.rglob("*") if p.is_file()})
     with s3_server("ckpts", objects):
@@ -250,7 +266,8 @@ def hub_server(files):
     pytest.importorskip("fsspec")
     pytest.importorskip("huggingface_hub")
     with range_server({}) as server:
-        hub_routes(server, "org/model", "main", {k: v for k, v in files.items() if k != "big.safetensors"})
+        small = {k: v for k, v in files.items() if k not in ("big.safetensors", "wide.safetensors")}
+        hub_routes(server, "org/model", "main", small)
         yield server
 
 

@@ -183,8 +183,10 @@ def s3_server(bucket: str, files: dict[str, Path]) -> Iterator[str]:
 def hub_routes(server: RangeServer, repo: str, revision: str, files: dict[str, Path]) -> None:
     """Makes `server` answer as the Hugging Face Hub does for one model repository at one revision.
 
-    The routes are those huggingface_hub's `HfFileSystem` calls: the repository's info at a revision, the
-    paths-info and tree of its files, and each file's bytes at `/{repo}/resolve/{revision}/{path}`.
+    The routes are those huggingface_hub's `HfFileSystem` (2.4) calls to read files: the repository's info
+    (`/api/models/{repo}`, or at a revision `/api/models/{repo}/revision/{rev}`), the tree of each directory
+    (`/api/models/{repo}/tree/{rev}[/{dir}]`, one page), and each file's bytes with Range at
+    `/{repo}/resolve/{rev}/{path}`; a repository it does not hold is a 404 with the Hub's `X-Error-Code`.
     """
     sha = hashlib.sha1(f"{repo}@{revision}".encode()).hexdigest()
     entries = []
@@ -194,18 +196,18 @@ def hub_routes(server: RangeServer, repo: str, revision: str, files: dict[str, P
         server.files[f"{repo}/resolve/{revision}/{path}"] = local
         server.files[f"{repo}/resolve/{sha}/{path}"] = local
     info = {"id": repo, "modelId": repo, "sha": sha, "private": False, "siblings": [{"rfilename": p} for p in files]}
-    when = email.utils.formatdate(usegmt=True)
-    as_json = {"Content-Type": "application/json", "Date": when}
+    as_json = {"Content-Type": "application/json", "Date": email.utils.formatdate(usegmt=True)}
+    server.routes[f"/api/models/{repo}"] = (200, as_json, json.dumps(info).encode())
+    dirs = sorted({str(Path(p).parent) for p in files} - {"."})
     for rev in (revision, sha):
         server.routes[f"/api/models/{repo}/revision/{rev}"] = (200, as_json, json.dumps(info).encode())
-        server.routes[f"/api/models/{repo}"] = (200, as_json, json.dumps(info).encode())
-        dirs = sorted({str(Path(p).parent) for p in files} - {"."})
         for d in ["", *dirs]:
             below = [e for e in entries if str(Path(e["path"]).parent) == (d or ".")]
-            below += [
-                {"type": "directory", "oid": "0" * 40, "size": 0, "path": s}
-                for s in dirs
-                if str(Path(s).parent) == (d or ".")
-            ]
+            below += [{"type": "directory", "oid": "0" * 40, "size": 0, "path": s} for s in dirs if _parent(s) == d]
             tree = json.dumps(below).encode()
             server.routes[f"/api/models/{repo}/tree/{rev}" + (f"/{d}" if d else "")] = (200, as_json, tree)
+
+
+def _parent(path: str) -> str:
+    parent = str(Path(path).parent)
+    return "" if parent == "." else parent

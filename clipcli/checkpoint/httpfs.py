@@ -11,7 +11,7 @@ from __future__ import annotations
 import http.client
 import threading
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 _REDIRECTS = 5  # followed for one request (a CDN behind a resolve URL)
 _TIMEOUT_S = 60  # for a connection and for each read of it
@@ -101,7 +101,8 @@ class HttpFileSystem:
         for _ in range(_REDIRECTS + 1):
             parts = urlsplit(url)
             key = (parts.scheme.lower(), parts.netloc)
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            path = quote(parts.path or "/", safe="/%:@!$&'()*+,;=~")  # a space typed as such, not %20
+            target = path + (f"?{parts.query}" if parts.query else "")
             connection = self._connection(key)
             try:
                 connection.request(method, target, headers=headers)

@@ -110,6 +110,13 @@ def test_a_failure_that_persists_is_one_input_error(tmp_path, quick):
         assert not server.fail  # every try was made
 
 
+def test_a_url_with_a_space_is_sent_percent_encoded(tmp_path):
+    with range_server({"a%20b.safetensors": SAMPLES / "grads.safetensors"}) as server:
+        with open_checkpoint(f"{server.url}/a b.safetensors") as ckpt:
+            assert len(ckpt.tensors) == 17
+        assert {path for _, path, _ in server.requests} == {"/a%20b.safetensors"}
+
+
 def test_a_missing_url_is_a_missing_file(tmp_path):
     with range_server({}) as server, pytest.raises(MissingFileError) as raised:
         open_checkpoint(f"{server.url}/nothing.safetensors")

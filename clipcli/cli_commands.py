@@ -127,6 +127,8 @@ def _clip(
 
     if in_place and output is not None:
         opts.usage("give either -o/--output or --in-place, not both", "--in-place")
+    if in_place and opts.is_url(checkpoint):
+        opts.usage("a URL cannot be replaced in place: give -o OUT (a local path)", "--in-place")
     if output is None and not (in_place or dry_run):
         opts.usage("missing; give -o OUT, --in-place or --dry-run", "-o/--output")
     with open_checkpoint(checkpoint) as ckpt:
@@ -318,9 +320,11 @@ def _clip_together(
 
     if in_place and output is not None:
         opts.usage("give either -o/--output or --in-place, not both", "--in-place")
+    if in_place and any(opts.is_url(p) for p in paths):
+        opts.usage("a URL cannot be replaced in place: give -o DIR (a local path)", "--in-place")
     if output is None and not (in_place or dry_run):
         opts.usage("missing; give -o DIR (several checkpoints), --in-place or --dry-run", "-o/--output")
-    names = [p.name for p in paths]
+    names = [Path(p).name for p in paths]
     if output is not None and len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)
         opts.usage(f"two checkpoints are named {twice!r}: they cannot both go to {output}/{twice}", "-o/--output")

@@ -5,6 +5,7 @@
 import importlib.util
 import math
 import os
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -57,12 +58,29 @@ class DiffSortKey(str, Enum):
     rel = "rel"
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+def is_url(path: object) -> bool:
+    """Whether a checkpoint argument is a URL (`https://...`, `hf://...`, `s3://...`), which stays text."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
 def parse_path(text: str) -> Path:
-    """A checkpoint's path as given. Not Click's Path type, which refuses a file it cannot read as a usage error
-    (exit 2; the contract: exit 3, one line), and takes an empty path for the current directory."""
+    """A checkpoint's path as given, or its URL as text (`https://`, `hf://`, `s3://`...: read remotely). Not
+    Click's Path type, which refuses a file it cannot read as a usage error (exit 2; the contract: exit 3, one
+    line), and takes an empty path for the current directory. The arguments it parses are annotated `str`:
+    Typer would make a `Path` (`https:/host/...`) of a URL returned for a `Path` argument."""
     if not text:
         raise typer.BadParameter("an empty path names no file")
-    return Path(text)
+    return text if is_url(text) else Path(text)  # type: ignore[return-value]
+
+
+def parse_output(text: str) -> str:
+    """-o OUT: a local path (clipcli reads URLs but writes only files)."""
+    if is_url(text):
+        raise typer.BadParameter(f"outputs are local paths, not URLs: {text}")
+    return text
 
 
 def parse_report_path(text: str) -> Path:
@@ -72,22 +90,23 @@ def parse_report_path(text: str) -> Path:
         raise typer.BadParameter(
             "clipcli writes the report to a file, not standard output; for JSON on standard output use --format json"
         )
-    return parse_path(text)
+    return Path(parse_output(text)) if text else parse_path(text)
 
 
 Checkpoints = Annotated[
-    list[Path],
+    list[str],
     typer.Argument(
         metavar="CKPT...",
         parser=parse_path,
         help="Checkpoints: .safetensors, .npz, .npy or PyTorch (.pt, .pth, .bin, .ckpt) files, sharded indexes "
         "(*.safetensors.index.json, pytorch_model.bin.index.json), or directories (shards, or a "
-        "torch.distributed.checkpoint).",
+        "torch.distributed.checkpoint); each a path or a URL (https://, hf://ORG/REPO/PATH, s3://, gs://: "
+        "pip install 'clipcli[remote]').",
         show_default=False,
     ),
 ]
 OneCheckpoint = Annotated[
-    Path,
+    str,
     typer.Argument(
         metavar="CKPT",
         parser=parse_path,
@@ -135,6 +154,7 @@ Output = Annotated[
         "--output",
         "-o",
         metavar="OUT",
+        parser=parse_output,
         help="Where to write: a .safetensors/.npz/.npy file (the suffix "
         "picks the format) or, for sharded safetensors, a directory.",
     ),
@@ -329,7 +349,7 @@ UseNorm = Annotated[
     typer.Option("--use-norm", metavar="G", help="Use G (finite, >= 0) as the global norm instead of computing it."),
 ]
 DiffA = Annotated[
-    Path, typer.Argument(metavar="A", parser=parse_path, help="The checkpoint compared against (the reference).")
+    str, typer.Argument(metavar="A", parser=parse_path, help="The checkpoint compared against (the reference).")
 ]
 DiffSort = Annotated[
     DiffSortKey | None,
@@ -369,7 +389,7 @@ PrefixWithFile = Annotated[
     ),
 ]
 ClipCheckpoints = Annotated[
-    list[Path],
+    list[str],
     typer.Argument(
         metavar="CKPT...",
         parser=parse_path,
@@ -408,7 +428,7 @@ Maps = Annotated[
     ),
 ]
 ConvertCheckpoint = Annotated[
-    Path,
+    str,
     typer.Argument(
         metavar="CKPT", parser=parse_path, help="The checkpoint to convert (a file, sharded index or directory)."
     ),
@@ -419,6 +439,7 @@ ConvertOutput = Annotated[
         "--output",
         "-o",
         metavar="OUT",
+        parser=parse_output,
         show_default=False,
         help="A .safetensors/.npz/.npy file (the suffix picks the format) or a directory of shards.",
     ),
@@ -431,9 +452,9 @@ MaxShardSize = Annotated[
         help="Write Hugging Face style shards of at most SIZE (5GB, 500MiB, bytes) and an index into OUT.",
     ),
 ]
-DiffB = Annotated[Path, typer.Argument(metavar="B", parser=parse_path, help="The checkpoint compared with A.")]
+DiffB = Annotated[str, typer.Argument(metavar="B", parser=parse_path, help="The checkpoint compared with A.")]
 VerifyCheckpoint = Annotated[
-    Path,
+    str,
     typer.Argument(
         metavar="CKPT",
         parser=parse_path,

@@ -153,7 +153,7 @@ def verify(
             manifest and command.read_manifest(manifest), values, selection_of(include, exclude), worker_count(jobs)
         )
         reads = manifest is not None or values  # the structure alone takes milliseconds: no bar
-        with progress_bar(_bytes_in(checkpoint) if reads else 0, quiet) as progress:
+        with progress_bar(_bytes_in(Path(checkpoint)) if reads else 0, quiet) as progress:
             report = command.verify(checkpoint, options, progress)
         emit(report, fmt, quiet)
         exit_on_gate(command.failure(report))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 
 
 class ExitStatus(enum.IntEnum):
@@ -55,8 +56,16 @@ def _rebuild(cls: type, message: str, path: str | None, tensor: str | None, stat
 
 def shown_path(path: str) -> str:
     """A path as it can be typed back: a relative one starting with '-' (typed `./-x.safetensors`, which pathlib
-    shortens to `-x.safetensors`) gets its './' again, so that a command line does not take it for an option."""
+    shortens to `-x.safetensors`) gets its './' again, so that a command line does not take it for an option; a
+    URL, which pathlib shortens to `https:/host/...`, its `//` again."""
+    url = _PATH_OF_URL.match(path)
+    if url:
+        return f"{url.group(1)}/{path[url.end() :]}"
     return f"./{path}" if path.startswith("-") and path != "-" else path
+
+
+# a scheme of one letter would be a Windows drive; `file:/tmp/a` is a file URL as it is
+_PATH_OF_URL = re.compile(r"(?![Ff][Ii][Ll][Ee]:)([A-Za-z][A-Za-z0-9+.-]+:/)(?!/)")
 
 
 def _one_line(text: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from clipcli.checkpoint import registry
 from clipcli.checkpoint.plugin import Finding
-from clipcli.checkpoint.reader import at_path
+from clipcli.checkpoint.reader import at_path, remote_store
 from clipcli.checkpoint.source import Store
 
 
@@ -27,4 +27,11 @@ def find_defects(path: str | os.PathLike[str], store: Store | None = None) -> tu
         fmt = registry.format_of(where, s)
         return fmt.name, fmt.defects(where, s)
 
-    return at_path(path, store, check)
+    remote = remote_store(path, store)
+    if remote is None:
+        return at_path(path, store, check)
+    store, where = remote
+    try:
+        return at_path(where, store, check)
+    finally:
+        store.close()

@@ -513,9 +513,13 @@ class _Range(NamedTuple):
 
 def _dispatch(work: Any, jobs: int, total: int, kind: str | None, progress: Callable[[int], None] | None) -> list:
     """Runs `work` in the caller, in `jobs` threads or in `jobs` forked processes (by default: processes for
-    large inputs where fork exists, threads otherwise, the caller for one job); returns each worker's result."""
+    large inputs where fork exists, threads otherwise or for a store that cannot be forked (a remote one: its
+    event loop), the caller for one job); returns each worker's result."""
     if kind is None:
-        kind = "inline" if jobs == 1 else "processes" if hasattr(os, "fork") and total >= _PROCESS_BYTES else "threads"
+        forkable = hasattr(os, "fork") and all(
+            getattr(getattr(r, "store", None), "forkable", True) for r in work.readers
+        )
+        kind = "inline" if jobs == 1 else "processes" if forkable and total >= _PROCESS_BYTES else "threads"
     if kind == "inline":
         return [work.all(progress or _ignore)]
     if kind == "threads":

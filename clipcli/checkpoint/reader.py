@@ -291,12 +291,36 @@ def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) ->
     """Opens a checkpoint (a file, a sharded index or a directory), reading headers only.
 
     The suffix names the format; a file whose name has none that clipcli knows is read as what its first
-    bytes show it is. `store` is where its files are read from (by default the file system).
+    bytes show it is. `store` is where its files are read from (by default the file system, or for a URL given
+    as text, `https://...`, `hf://...`, `s3://...`, the remote store of its protocol).
 
     Raises:
         MissingFileError, FileTypeError, MalformedError, UnsupportedError: as the input deserves.
     """
+    remote = remote_store(path, store)
+    if remote is not None:
+        store, where = remote
+        try:
+            return open_checkpoint(where, store)
+        except BaseException:
+            store.close()
+            raise
     return at_path(path, store, lambda p, s: _checked_text(_open(p, s)))
+
+
+def remote_store(path: str | os.PathLike[str], store: Store | None) -> tuple[Store, Path] | None:
+    """For a URL given as text (`https://...`, `hf://...`, `s3://...`) and no store: the remote store of its
+    protocol and the path in it (the caller closes the store); None for anything else.
+
+    Raises:
+        UsageError: for a protocol no installed package reads.
+    """
+    if store is None and isinstance(path, str) and "://" in path:
+        from clipcli.checkpoint.remote import is_url, open_store
+
+        if is_url(path):
+            return open_store(path)
+    return None
 
 
 def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[[Path, Store], R]) -> R:

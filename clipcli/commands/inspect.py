@@ -7,6 +7,7 @@ from typing import Any
 
 from clipcli.checkpoint import Checkpoint, TensorInfo
 from clipcli.commands.select import EVERY, Selection, order, shared_storages
+from clipcli.errors import shown_path
 from clipcli.report.listing import Listing
 from clipcli.report.rows import InspectRow, listed
 
@@ -36,7 +37,7 @@ def listing_fields(
     ckpt: Checkpoint, tensors: list[TensorInfo], files: dict[str, str], sort: str | None, top: int | None
 ) -> dict[str, Any]:
     """The fields of a `Listing` of `tensors` of `ckpt`, each in its file (`files[name]`, else its own)."""
-    rows = [InspectRow(t.name, t.dtype, t.shape, t.nbytes, files.get(t.name, t.file)) for t in tensors]
+    rows = [InspectRow(t.name, t.dtype, t.shape, t.nbytes, shown_path(files.get(t.name, t.file))) for t in tensors]
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,

@@ -188,7 +188,11 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
             else:
                 kind, problem = "wrong-shard", f"{shard} holds it but the index names {mapped}"
             out.append(Finding(str(path.parent / shard), name, kind, problem))
-    for p in sorted(store.list(path.parent)):
+    try:
+        around = sorted(store.list(path.parent))
+    except OSError:  # a store that cannot list a directory (plain HTTP): no stray shard can be seen there
+        around = []
+    for p in around:
         if p.name not in names and _stray(p.name, fmt) and store.kind(p) == "file":
             out.append(Finding(str(p), None, "stray-shard", f"a shard file the index {path.name} does not name"))
     return out

@@ -1,0 +1,177 @@
+"""The remote store against real servers on the loopback interface: every format read over HTTP as from its
+file, ranged reads of what is asked only, retries of transient failures, one error for what is missing.
+HTTP needs no extra; the tests that go through fsspec skip without it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from clipcli.checkpoint import open_checkpoint
+from clipcli.checkpoint import remote as _remote
+from clipcli.errors import ExitStatus, InputError, MissingFileError, UsageError
+from tests.helpers import DATA, SAMPLES
+from tests.servers import range_server
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """Retries without the production backoff (the tests' servers answer at once)."""
+    monkeypatch.setattr(_remote, "BACKOFF_S", 0.001)
+
+
+def contents(ckpt) -> tuple:
+    """What a checkpoint holds: its format, metadata, and each tensor's name, type, shape and values."""
+    return ckpt.format, ckpt.metadata, [(t.name, t.dtype, t.shape, ckpt.read(t).tobytes()) for t in ckpt.tensors]
+
+
+def local_files(tmp_path: Path) -> dict[str, Path]:
+    """A checkpoint of each format, by the name the server gives it."""
+    np.save(tmp_path / "w.npy", np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4) / 7))
+    np.savez(tmp_path / "m.npz", a=np.linspace(-1, 1, 9), b=np.arange(5, dtype=">i4"))
+    np.savez_compressed(tmp_path / "z.npz", a=np.linspace(-1, 1, 9))
+    files = {
+        "grads.safetensors": SAMPLES / "grads.safetensors",
+        "pytorch_model.bin": SAMPLES / "pytorch_model.bin",
+        "w.npy": tmp_path / "w.npy",
+        "m.npz": tmp_path / "m.npz",
+        "z.npz": tmp_path / "z.npz",
+    }
+    for p in (SAMPLES / "sharded").iterdir():
+        files[f"sharded/{p.name}"] = p
+    return files
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["grads.safetensors", "pytorch_model.bin", "w.npy", "m.npz", "z.npz", "sharded/model.safetensors.index.json"],
+)
+def test_each_format_over_http_reads_as_from_its_file(tmp_path, name):
+    files = local_files(tmp_path)
+    local = (SAMPLES / name) if name.startswith("sharded/") else files[name]
+    with open_checkpoint(local) as ckpt:
+        expected = contents(ckpt)
+    with range_server(files) as server, open_checkpoint(f"{server.url}/{name}") as ckpt:
+        assert contents(ckpt) == expected
+        assert isinstance(ckpt.store, _remote.RemoteStore)
+        assert str(ckpt.path) == f"{server.url}/{name}".replace("://", ":/", 1)  # pathlib's form, shown with //
+
+
+def test_a_header_is_read_by_ranges_not_the_whole_file(tmp_path):
+    big = tmp_path / "big.safetensors"
+    save_file({f"t{i}": np.full(1 << 18, i, np.float32) for i in range(8)}, str(big))  # 8 MiB
+    with range_server({"big.safetensors": big}) as server:
+        with open_checkpoint(f"{server.url}/big.safetensors") as ckpt:
+            assert [t.name for t in ckpt.tensors] == [f"t{i}" for i in range(8)]
+        assert server.sent <= 64 << 10
+        assert all(method == "HEAD" or rng == "bytes=0-65535" for method, _, rng in server.requests)
+
+
+def test_only_the_tensor_read_is_fetched(tmp_path):
+    path = tmp_path / "two.safetensors"
+    save_file({"a": np.arange(1 << 20, dtype=np.float32), "b": np.arange(1000, dtype=np.float32)}, str(path))
+    with range_server({"two.safetensors": path}) as server, open_checkpoint(f"{server.url}/two.safetensors") as ckpt:
+        server.reset()
+        b = next(t for t in ckpt.tensors if t.name == "b")
+        np.testing.assert_array_equal(ckpt.read(b), np.arange(1000, dtype=np.float32))
+        assert server.sent == 4000  # b's bytes, after a's 4 MiB
+        assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize("failure", ["503", "cut"])
+def test_a_transient_failure_is_retried_and_the_values_are_the_same(tmp_path, quick, failure):
+    path = tmp_path / "a.safetensors"
+    values = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    save_file({"a": values}, str(path))
+    with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
+        server.fail = [failure, failure]
+        server.reset()
+        np.testing.assert_array_equal(ckpt.read(ckpt.tensors[0]), values)
+        assert len(server.requests) == 3  # two failures, then the read
+        assert not server.fail
+
+
+def test_a_failure_that_persists_is_one_input_error(tmp_path, quick):
+    path = tmp_path / "a.safetensors"
+    save_file({"a": np.ones(1 << 18, np.float32)}, str(path))
+    with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
+        server.fail = ["503"] * _remote.ATTEMPTS
+        with pytest.raises(InputError) as raised:
+            ckpt.read(ckpt.tensors[0])
+        assert raised.value.status == ExitStatus.BAD_INPUT
+        assert "503" in str(raised.value) and "\n" not in str(raised.value)
+        assert not server.fail  # every try was made
+
+
+def test_a_url_with_a_space_is_sent_percent_encoded(tmp_path):
+    with range_server({"a%20b.safetensors": SAMPLES / "grads.safetensors"}) as server:
+        with open_checkpoint(f"{server.url}/a b.safetensors") as ckpt:
+            assert len(ckpt.tensors) == 17
+        assert {path for _, path, _ in server.requests} == {"/a%20b.safetensors"}
+
+
+def test_a_missing_url_is_a_missing_file(tmp_path):
+    with range_server({}) as server, pytest.raises(MissingFileError) as raised:
+        open_checkpoint(f"{server.url}/nothing.safetensors")
+    assert str(raised.value) == f"{server.url}/nothing.safetensors: no such file or directory"
+
+
+def test_a_server_that_ignores_ranges_is_refused(tmp_path):
+    path = tmp_path / "a.safetensors"
+    save_file({"a": np.ones(1 << 18, np.float32)}, str(path))
+    with range_server({"a.safetensors": path}) as server:
+        server.ignore_range = True
+        with pytest.raises(InputError, match="does not honour range requests"):
+            open_checkpoint(f"{server.url}/a.safetensors")
+
+
+def test_an_unknown_protocol_is_a_usage_error():
+    pytest.importorskip("fsspec")
+    with pytest.raises(UsageError, match=r"no reader knows the protocol nosuch://"):
+        open_checkpoint("nosuch://bucket/a.safetensors")
+
+
+@pytest.mark.parametrize(("blocked", "url"), [("fsspec", "s3://b/a.safetensors"), ("s3fs", "s3://b/a.safetensors")])
+def test_a_url_without_its_package_is_a_usage_error_naming_what_to_install(blocked, url):
+    # (an https:// URL needs no package: tests/cli/test_remote.py reads one with fsspec blocked)
+    if blocked != "fsspec":
+        pytest.importorskip("fsspec")
+    code = (
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "from clipcli.checkpoint import open_checkpoint\n"
+        "from clipcli.errors import UsageError\n"
+        f"try: open_checkpoint({url!r})\n"
+        "except UsageError as e: print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"{url}: reading {url.split(':')[0]}:// URLs needs {blocked}: pip install 'clipcli[remote]'"
+    )
+
+
+def test_a_dcp_directory_and_a_sharded_directory_are_followed_where_the_protocol_lists(tmp_path):
+    pytest.importorskip("fsspec")
+    # the local file system through fsspec ("file://"): a protocol that lists, as S3 and the Hub do
+    shutil.copytree(DATA / "dcp" / "sharded", tmp_path / "dcp")
+    shutil.copytree(SAMPLES / "sharded", tmp_path / "shards")
+    for name in ("dcp", "shards"):
+        with open_checkpoint(tmp_path / name) as ckpt:
+            expected = contents(ckpt)
+        with open_checkpoint(f"file://{tmp_path / name}") as ckpt:
+            assert contents(ckpt) == expected
+            assert isinstance(ckpt.store, _remote.RemoteStore)
+
+
+def test_the_url_of_a_path_inside_clipcli(tmp_path):
+    store, path = _remote.open_store("https://host:8080/a/b/m.safetensors")  # nothing asked of the host yet
+    assert store.url(path) == "https://host:8080/a/b/m.safetensors"
+    assert store.url(path.parent / "x.safetensors") == "https://host:8080/a/b/x.safetensors"
+    assert json.dumps(str(path)) == '"https:/host:8080/a/b/m.safetensors"'

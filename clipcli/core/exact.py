@@ -53,6 +53,10 @@ class ExactSum:
 
     def add_many(self, sums: np.ndarray, k: int = 0) -> None:
         """Adds non-negative float64 terms times 2**k exactly: as 53-bit integers shifted to a common exponent."""
+        if sums.size <= 8:  # a few terms (a small tensor's blocks): one at a time beats NumPy's set-up
+            for s in sums.tolist():
+                self.add(s, k)
+            return
         mantissas, exponents = np.frexp(sums)
         exponents[mantissas == 0] = exponents.max()  # zeros add nothing: keep them out of the range
         low = int(exponents.min())

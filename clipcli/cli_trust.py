@@ -26,6 +26,7 @@ def hash_(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """Content hashes: SHA-256 of each tensor's dtype name, shape and values (little-endian, C order), and one

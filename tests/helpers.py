@@ -661,3 +661,71 @@ def byte_mutations(draw, data: bytes) -> bytes:
             packed = struct.pack("<Q" if size == 8 else "<I", value % 2 ** (8 * size))
             out[pos : pos + size] = packed[: len(out) - pos]
     return bytes(out)
+
+
+def pickletools_calls(payload: bytes) -> set[str]:
+    """The globals a pickle would call, found independently of clipcli: a symbolic run of pickletools' opcodes
+    (each pops and pushes what pickletools says), where a global or what it made is the callee of REDUCE,
+    NEWOBJ(_EX), INST or OBJ."""
+    import pickletools
+
+    calls: set[str] = set()
+    stack: list[Any] = []
+    marks: list[list[Any]] = []
+    memo: dict[int, Any] = {}
+    for op, arg, _ in pickletools.genops(payload):
+        name = op.name
+        if name in ("GLOBAL", "INST"):
+            module, _, attr = arg.partition(" ")
+            module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
+            g = ("global", f"{module}.{attr}")
+            if name == "INST":
+                calls.add(g[1])
+                stack = marks.pop()
+                stack.append(("made", g[1]))
+            else:
+                stack.append(g)
+            continue
+        if name == "STACK_GLOBAL":
+            attr, module = stack.pop(), stack.pop()
+            stack.append(("global", f"{module[1]}.{attr[1]}"))
+            continue
+        if name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ"):
+            if name == "OBJ":
+                items = stack
+                stack = marks.pop()
+                callee = items[0]
+            else:
+                for _ in range({"REDUCE": 1, "NEWOBJ": 1, "NEWOBJ_EX": 2}[name]):
+                    stack.pop()
+                callee = stack.pop()
+            if type(callee) is tuple and callee[0] in ("global", "made"):
+                calls.add(callee[1])
+                stack.append(("made", callee[1]))
+            else:
+                stack.append(None)
+            continue
+        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = stack[-1]
+            continue
+        if name == "MEMOIZE":
+            memo[len(memo)] = stack[-1]
+            continue
+        if name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo[arg])
+            continue
+        if name == "MARK":
+            marks.append(stack)
+            stack = []
+            continue
+        if name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            stack.append(("str", arg))
+            continue
+        before = op.stack_before
+        if pickletools.markobject in before:
+            stack = marks.pop()
+            before = [b for b in before if b is not pickletools.markobject and b is not pickletools.stackslice]
+        for _ in before:
+            stack.pop()
+        stack.extend(None for _ in op.stack_after)
+    return calls

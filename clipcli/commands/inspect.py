@@ -45,4 +45,11 @@ def listing_fields(
         "tensors": order(rows, sort, top),
         "shared": shared_storages(tensors),
         "several_files": ckpt.sharded,
+        "pickle": pickle_audit(ckpt),
     }
+
+
+def pickle_audit(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The JSON's `pickle` object of a pickle-based checkpoint (its one audited pickle file), else None."""
+    audits = ckpt.pickle_audits
+    return audits[0].to_dict() if len(audits) == 1 else None

@@ -10,6 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from clipcli.checkpoint.formats._numpy_pickle import numpy_globals
 from clipcli.checkpoint.formats._pickle import (
     PLAIN_GLOBALS,
     Constructor,
@@ -45,6 +46,7 @@ class TorchTensor:
     storage_nbytes: int  # bytes the storage holds
     big_endian: bool  # storage bytes are big-endian
     skip_reason: str | None  # why it is listed but not read (sparse, quantized, meta), else None
+    held: bytes | None = None  # the values themselves, C order, native order (a NumPy array inside the pickle)
 
     @property
     def numel(self) -> int:
@@ -455,6 +457,7 @@ def _allowlist() -> dict[str, Any]:
         for module in ("torch", "torch.cuda"):  # torch < 1.10 named storages of CUDA tensors torch.cuda.*
             allowed[f"{module}.{cls}"] = StorageType(f"torch.{cls}", _DTYPES[dtype_name])
     allowed["torch.storage.UntypedStorage"] = StorageType("torch.storage.UntypedStorage", None)
+    allowed.update(numpy_globals())
     return allowed
 
 

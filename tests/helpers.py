@@ -673,11 +673,19 @@ def pickletools_calls(payload: bytes) -> set[str]:
     stack: list[Any] = []
     marks: list[list[Any]] = []
     memo: dict[int, Any] = {}
+    proto = 0
     for op, arg, _ in pickletools.genops(payload):
         name = op.name
+        if name == "PROTO":
+            proto = arg
         if name in ("GLOBAL", "INST"):
             module, _, attr = arg.partition(" ")
-            module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
+            if proto < 3:  # Python's Unpickler.find_class with fix_imports
+                import _compat_pickle
+
+                module, attr = _compat_pickle.NAME_MAPPING.get(
+                    (module, attr), (_compat_pickle.IMPORT_MAPPING.get(module, module), attr)
+                )
             g = ("global", f"{module}.{attr}")
             if name == "INST":
                 calls.add(g[1])

@@ -13,6 +13,7 @@ field is checked against the bytes that remain before anything is allocated, and
 
 from __future__ import annotations
 
+import _compat_pickle  # Python 2's module and class names, as pickle.Unpickler maps them for protocols 0-2
 import codecs
 import pickle  # for its opcode constants only: nothing here calls pickle.load or an Unpickler
 import struct
@@ -33,8 +34,6 @@ _MAX_NAME = 200  # characters of a global's name quoted in a message
 Resolve = Callable[[str, str], Any]
 PersistentLoad = Callable[[Any], Any]
 
-# Python 2 spellings that Python 3's unpickler maps itself (fix_imports); protocol 2 still writes them.
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 _NESTABLE = (tuple, frozenset)  # the containers that can be hashed, and so nest in dict keys
 
 
@@ -181,6 +180,16 @@ def unpickle_at(
         ) from e
 
 
+def python3_name(module: str, name: str, proto: int) -> tuple[str, str]:
+    """The global that Python's unpickler looks up for a name in a pickle of protocol `proto`: for protocols
+    0-2, Python 2's spellings (`__builtin__.eval`, `commands.Popen`) are Python 3's (`fix_imports`)."""
+    if proto < 3:
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            return _compat_pickle.NAME_MAPPING[(module, name)]
+        return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+    return module, name
+
+
 def _no_persistent_ids(pid: Any) -> Any:
     raise MalformedError("the pickle refers to a persistent object, which this file never holds")
 
@@ -198,6 +207,7 @@ class _Machine:
         placeholders: bool,
     ):
         self.data = data
+        self.proto = 0  # a PROTO opcode sets it (protocols 0 and 1 have none)
         self.audit = audit
         self.placeholders = placeholders
         self.pos = offset
@@ -454,6 +464,7 @@ class _Machine:
         version = self._take(1)[0]
         if version > 5:
             raise MalformedError(f"unsupported pickle protocol {version}")
+        self.proto = version
 
     def _frame(self) -> None:
         n = self._count("<Q", 8)
@@ -647,7 +658,7 @@ class _Machine:
         self.memo[index] = self.stack[-1]
 
     def _resolved(self, module: str, name: str) -> Any:
-        module = _PY2_MODULES.get(module, module)
+        module, name = python3_name(module, name, self.proto)
         dotted = f"{module}.{name}"
         self.audit.named(dotted)
         obj = self.resolve(module, name)

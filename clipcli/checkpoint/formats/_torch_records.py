@@ -429,10 +429,9 @@ _TENSOR_REBUILDERS = {
 
 def _allowlist() -> dict[str, Any]:
     """Every global a torch.save file may name, resolved to clipcli's own objects."""
-    # plain data that protocol 2 writes through globals, as far as torch.load(weights_only=True) reads it
-    # (it refuses builtins.bytes and builtins.frozenset: empty bytes and frozensets)
-    plain = {"collections.OrderedDict", "builtins.set", "builtins.complex", "builtins.bytearray", "_codecs.encode"}
-    allowed: dict[str, Any] = {c.name: c for c in PLAIN_GLOBALS.values() if c.name in plain}
+    # plain data that protocol 2 writes through globals (the audit says that torch.load(weights_only=True)
+    # refuses builtins.bytes and builtins.frozenset: empty bytes and frozensets)
+    allowed: dict[str, Any] = {c.name: c for c in PLAIN_GLOBALS.values()}
     functions = {
         "torch._utils._rebuild_tensor": _rebuild_tensor,
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,

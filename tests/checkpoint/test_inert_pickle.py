@@ -1,0 +1,273 @@
+"""Pickles that name globals beyond the tensor allowlist (issue 24): inert placeholders, NumPy inside pickles,
+and the pickle audit, against files written by real torch 2.13 (tests/data/torch/inert, make_torch_files.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pickle
+import shutil
+import sys
+import tracemalloc
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file
+
+from clipcli.checkpoint import open_checkpoint
+from clipcli.checkpoint.formats import _torch_records
+from clipcli.checkpoint.formats._pickle import unpickle
+from clipcli.checkpoint.formats._pickle_audit import WEIGHTS_ONLY_GLOBALS, Audit
+from clipcli.checkpoint.formats.torch import read_torch
+from clipcli.errors import ClipcliError
+from tests.helpers import DATA, ROOT, byte_mutations, pickletools_calls, run, run_bounded
+
+INERT = DATA / "torch" / "inert"
+REFERENCED = sorted(p for p in INERT.glob("*.pt") if p.with_name(p.name + ".json").exists())
+HOSTILE = [INERT / "hostile.pt", INERT / "hostile_legacy.pt"]
+SENTINEL = "clipcli-pwned"  # what the hostile files' payloads would create in the current directory
+EXAMPLES = int(os.environ.get("CLIPCLI_FUZZ_EXAMPLES", "120"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=5000,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    derandomize=EXAMPLES <= 1000,
+)
+
+
+def reference(path: Path) -> list[dict]:
+    return json.loads(path.with_name(path.name + ".json").read_text())["tensors"]
+
+
+def norm(values: np.ndarray) -> float:
+    """sqrt(fsum of squares) in float64, as make_torch_files.py computes it from torch's values."""
+    if values.dtype.kind == "c":
+        values = values.astype(np.complex128).view(np.float64)
+    wide = values.astype(np.float64).reshape(-1)
+    return math.sqrt(math.fsum((wide * wide).tolist()))
+
+
+def test_the_corpus_holds_every_kind() -> None:
+    names = {p.name for p in REFERENCED}
+    for stem in ("namespace", "objects", "numpy", "rng_state"):
+        assert {f"{stem}.pt", f"{stem}_legacy.pt"} <= names
+    assert "numpy_protocol4.pt" in names and all(p.exists() for p in HOSTILE)
+    assert sum(p.stat().st_size for p in INERT.iterdir()) < 200_000
+
+
+@pytest.mark.parametrize("path", REFERENCED, ids=lambda p: p.name)
+def test_tensors_inside_objects_and_numpy_arrays_read_as_torch_and_numpy_hold_them(path: Path) -> None:
+    want = reference(path)
+    with open_checkpoint(path) as ckpt:
+        readable = [t for t in ckpt.tensors if t.skip is None]
+        assert [t.name for t in readable] == [w["name"] for w in want]
+        for t, w in zip(readable, want, strict=True):
+            assert (t.dtype, list(t.shape)) == (w["dtype"], w["shape"]), t.name
+            values = ckpt.read(t)
+            assert hashlib.sha256(np.ascontiguousarray(values).tobytes()).hexdigest() == w["sha256"], t.name
+            assert math.isclose(norm(values), w["norm"], rel_tol=1e-12, abs_tol=0), t.name
+
+
+@pytest.mark.parametrize("path", REFERENCED, ids=lambda p: p.name)
+def test_conversions_to_safetensors_equal_torchs_tensors_byte_for_byte(tmp_path: Path, path: Path) -> None:
+    want = {w["name"]: w for w in reference(path)}
+    out = tmp_path / "out.safetensors"
+    result = run("convert", path, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    loaded = load_file(out)
+    assert set(loaded) == set(want)
+    for name, values in loaded.items():
+        assert hashlib.sha256(np.ascontiguousarray(values).tobytes()).hexdigest() == want[name]["sha256"], name
+
+
+def test_placeholders_are_metadata_with_their_attributes_below() -> None:
+    metadata, _ = read_torch(INERT / "namespace.pt")
+    assert metadata["args"] == "<argparse.Namespace>" and metadata["args.sub"] == "<argparse.Namespace>"
+    assert (metadata["args.lr"], metadata["args.arch"], metadata["args.betas.1"]) == ("0.0003", "tiny", "0.95")
+    metadata, _ = read_torch(INERT / "objects.pt")
+    gone = "clipcli_gone_project.config"
+    assert metadata["config"] == f"<{gone}.TrainConfig>"
+    assert metadata["config.color"] == f"<{gone}.Color(2)>"
+    assert metadata["config.path"] == "<pathlib.PosixPath('ckpt', 'last.pt')>"
+    assert metadata["config.took"] == "<datetime.timedelta(0, 90, 0)>"
+    assert metadata[f"by_color.<{gone}.Color(1)>"] == "warm"
+    assert metadata["slots"] == f"<{gone}.Slotted>" and metadata["slots.bias"] == "0.5"
+    metadata, _ = read_torch(INERT / "numpy.pt")
+    assert (metadata["config.scalar"], metadata["config.count"], metadata["config.on"]) == ("0.125", "7", "True")
+    assert metadata["config.objects"] == "<numpy.ndarray((2,), 'O8')>" and metadata["config.objects.0.k"] == "1"
+    assert metadata["config.words"] == "<numpy.ndarray((2,), 'U2')>"
+
+
+# -- the audit and hostile files ----------------------------------------------------------------------
+
+
+def data_pkl(path: Path) -> bytes:
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+
+def test_the_audit_of_a_hostile_file_equals_what_pickletools_shows() -> None:
+    audits = {}
+    for path in HOSTILE:
+        audit = Audit()
+        read_torch(path, audit=audit)
+        audits[path.name] = audit.result(str(path))
+    calls = {g.name for g in audits["hostile.pt"].globals if g.use == "call"}
+    assert calls == pickletools_calls(data_pkl(HOSTILE[0]))
+    assert {g.name for g in audits["hostile_legacy.pt"].globals if g.use == "call"} == calls
+    for result in audits.values():
+        assert not result.loads_with_weights_only
+        assert set(result.unsafe_calls) == {
+            "posix.system",
+            "builtins.eval",
+            "builtins.exec",
+            "subprocess.Popen",
+            "importlib.import_module",
+            "functools.partial",
+        }
+
+
+@pytest.mark.parametrize("path", HOSTILE, ids=lambda p: p.name)
+@pytest.mark.parametrize("command", ["inspect", "global-norm", "hash", "convert"])
+def test_hostile_files_run_nothing_warn_and_fail_the_gate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: Path, command: str
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # run in tmp_path, where a payload would leave its sentinel
+    local = tmp_path / path.name
+    shutil.copy(path, local)
+    extra = ["-o", "out.safetensors"] if command == "convert" else []
+    calls = "builtins.eval, builtins.exec, functools.partial, importlib.import_module, posix.system, subprocess.Popen"
+    warning = f"clipcli: warning: {local.name}: torch.load would call {calls} (never called here)"
+    r = run_bounded(command, local.name, *extra, seconds=30, cwd=tmp_path)
+    assert (r.returncode, r.stderr.splitlines()) == (0, [warning]), r
+    r = run_bounded(command, local.name, *extra, "--fail-unsafe-pickle", "--quiet", seconds=30, cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.splitlines()[0] == warning, r
+    assert "--fail-unsafe-pickle" in r.stderr.splitlines()[1]
+    assert not (tmp_path / SENTINEL).exists()
+
+
+def test_a_weights_only_file_has_no_warning_and_passes_the_gate() -> None:
+    result = run("inspect", DATA / "torch" / "model_state.pt", "--format", "json", "--fail-unsafe-pickle")
+    assert (result.exit_code, result.stderr) == (0, "")
+    audit = json.loads(result.stdout)["checkpoints"][0]["pickle"]
+    assert audit["loads_with_weights_only"] is True
+    assert {g["name"] for g in audit["globals"] if g["use"] == "call"} <= WEIGHTS_ONLY_GLOBALS
+
+
+def test_safetensors_checkpoints_carry_no_pickle_audit() -> None:
+    result = run("inspect", DATA / "torch" / "model_state.pt", "--format", "json")
+    assert "pickle" in json.loads(result.stdout)["checkpoints"][0]
+    sample = next((DATA.parent.parent / "samples").glob("*.safetensors"), None)
+    if sample is not None:
+        assert "pickle" not in json.loads(run("inspect", sample, "--format", "json").stdout)["checkpoints"][0]
+
+
+# -- against torch itself ----------------------------------------------------------------------------------
+
+TORCH_INPUTS = sorted(
+    p for p in (DATA / "torch").rglob("*") if p.suffix in (".pt", ".pth", ".bin", ".ckpt") and p.is_file()
+)
+
+
+def test_the_allowlist_is_torchs() -> None:
+    torch = pytest.importorskip("torch")
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    assert set(_get_allowed_globals()) == WEIGHTS_ONLY_GLOBALS, torch.__version__
+
+
+@pytest.mark.parametrize("path", TORCH_INPUTS, ids=lambda p: str(p.relative_to(DATA / "torch")))
+def test_loads_with_weights_only_is_torchs_verdict(path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if path.name == "untyped_legacy.pt":  # never loaded unrestricted here: the hostile files would run
+        pytest.skip("torch 2.x cannot load it at all (legacy untyped storages)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's about sparse, quantized and complex32 tensors
+        try:
+            torch.load(path, weights_only=True)
+            loads = True
+        except Exception:  # torch's refusal: UnpicklingError, or a RuntimeError naming it
+            loads = False
+    audit = Audit()
+    try:
+        read_torch(path, audit=audit)
+    except ClipcliError:
+        assert not loads  # a file clipcli refuses (torch 2.x's legacy untyped storages) torch refuses too
+        return
+    assert audit.weights_only == loads
+
+
+# -- fuzz: the placeholder machine ---------------------------------------------------------------------------
+
+OPCODES = sorted({op for op in (getattr(pickle, n) for n in dir(pickle) if n.isupper()) if type(op) is bytes})
+_ARGS = {b"c": b"os\nsystem\n", b"i": b"argparse\nNamespace\n", b"X": b"\x01\x00\x00\x00a", b"K": b"\x01"}
+
+
+@st.composite
+def opcode_streams(draw: st.DrawFn) -> bytes:
+    """Opcodes, mostly those that build placeholders and call them, with arguments that often parse."""
+    ops = draw(st.lists(st.sampled_from([b"c", b"i", b"R", b"\x81", b"b", b"(", b"t", b"s", b"u", b"a", b"e", b"]",
+                                         b"}", b")", b"N", b"X", b"K", b"\x94", b"h\x00", b"o", b"0", b"2", b"."]),
+                        max_size=60))  # fmt: skip
+    extra = draw(st.lists(st.sampled_from([o for o in OPCODES if len(o) == 1]), max_size=5))
+    body = b"".join(op + _ARGS.get(op, b"") for op in ops + extra)
+    return b"\x80\x02" + body + b"."
+
+
+def imported_beyond(modules: set[str]) -> set[str]:
+    """Modules imported since `modules` besides clipcli's own and the codecs of protocol 0's text."""
+    return {m for m in set(sys.modules) - modules if not m.startswith(("clipcli.", "encodings."))}
+
+
+def _unpickled_or_refused(data: bytes) -> None:
+    try:
+        unpickle(data, _torch_records.resolve, _torch_records.Storages(legacy=False).persistent_load, Audit(), True)
+    except ClipcliError as e:
+        assert "\n" not in str(e)
+
+
+@FUZZ
+@given(opcode_streams())
+def test_random_opcode_streams_run_inert(data: bytes) -> None:
+    modules = set(sys.modules)
+    tracemalloc.start()
+    try:
+        _unpickled_or_refused(data)
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+    assert not imported_beyond(modules)
+
+
+@FUZZ
+@given(st.data())
+def test_inert_files_mutated(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    source = data.draw(st.sampled_from(REFERENCED + HOSTILE))
+    path = tmp_path_factory.mktemp("fuzz") / source.name
+    path.write_bytes(data.draw(byte_mutations(source.read_bytes())))
+    modules = set(sys.modules)
+    try:
+        read_torch(path, audit=Audit())
+    except ClipcliError as e:
+        assert "\n" not in str(e)
+    assert not imported_beyond(modules)
+
+
+def test_mutated_hostile_files_on_the_command_line_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    data = bytearray((INERT / "hostile.pt").read_bytes())
+    for i, pos in enumerate(range(40, len(data), max(1, len(data) // 12))):
+        mutated = bytearray(data)
+        mutated[pos] ^= 0x5A
+        path = tmp_path / f"m{i}.pt"
+        path.write_bytes(bytes(mutated))
+        r = run_bounded("inspect", path.name, seconds=20, memory_mb=1024, cwd=tmp_path)
+        assert r.returncode in (0, 3) and "Traceback" not in r.stderr, r
+    assert not (tmp_path / SENTINEL).exists()

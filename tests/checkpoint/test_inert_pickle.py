@@ -271,3 +271,32 @@ def test_mutated_hostile_files_on_the_command_line_are_bounded(tmp_path: Path, m
         r = run_bounded("inspect", path.name, seconds=20, memory_mb=1024, cwd=tmp_path)
         assert r.returncode in (0, 3) and "Traceback" not in r.stderr, r
     assert not (tmp_path / SENTINEL).exists()
+
+
+DCP = sorted(p.parent for p in (DATA / "dcp").glob("*/.metadata") if p.parent.name != "safetensors_format")
+
+
+@pytest.mark.parametrize("directory", DCP, ids=lambda p: p.name)
+def test_a_distributed_checkpoints_metadata_is_audited_without_a_warning(directory: Path) -> None:
+    result = run("inspect", directory, "--format", "json", "--fail-unsafe-pickle")
+    assert (result.exit_code, result.stderr) == (0, "")
+    audit = json.loads(result.stdout)["checkpoints"][0]["pickle"]
+    calls = {g["name"] for g in audit["globals"] if g["use"] == "call"}
+    assert calls == pickletools_calls((directory / ".metadata").read_bytes())
+    assert any(name.endswith("Metadata") for name in calls)
+
+
+@pytest.mark.parametrize("directory", DCP, ids=lambda p: p.name)
+def test_a_distributed_checkpoints_weights_only_verdict_is_torchs(directory: Path) -> None:
+    pytest.importorskip("torch")
+    import io
+
+    from torch._weights_only_unpickler import load
+
+    try:
+        load(io.BytesIO((directory / ".metadata").read_bytes()))
+        loads = True
+    except Exception:
+        loads = False
+    with open_checkpoint(directory) as ckpt:
+        assert ckpt.pickle_audits[0].loads_with_weights_only == loads

@@ -27,7 +27,7 @@ from clipcli.checkpoint.formats._pickle import unpickle
 from clipcli.checkpoint.formats._pickle_audit import WEIGHTS_ONLY_GLOBALS, Audit
 from clipcli.checkpoint.formats.torch import read_torch
 from clipcli.errors import ClipcliError
-from tests.helpers import DATA, ROOT, byte_mutations, pickletools_calls, run, run_bounded
+from tests.helpers import DATA, ROOT, byte_mutations, pickletools_calls, run, run_bounded, torch_zip_file
 
 INERT = DATA / "torch" / "inert"
 REFERENCED = sorted(p for p in INERT.glob("*.pt") if p.with_name(p.name + ".json").exists())
@@ -58,7 +58,7 @@ def test_the_corpus_holds_every_kind() -> None:
     names = {p.name for p in REFERENCED}
     for stem in ("namespace", "objects", "numpy", "rng_state"):
         assert {f"{stem}.pt", f"{stem}_legacy.pt"} <= names
-    assert "numpy_protocol4.pt" in names and all(p.exists() for p in HOSTILE)
+    assert {"numpy_protocol4.pt", "numpy_protocol5.pt"} <= names and all(p.exists() for p in HOSTILE)
     assert sum(p.stat().st_size for p in INERT.iterdir()) < 200_000
 
 
@@ -202,6 +202,54 @@ def test_loads_with_weights_only_is_torchs_verdict(path: Path) -> None:
         assert not loads  # a file clipcli refuses (torch 2.x's legacy untyped storages) torch refuses too
         return
     assert audit.weights_only == loads
+
+
+# -- the machine's limits hold for placeholders ---------------------------------------------------------
+
+
+def namespace_dag(levels: int) -> bytes:
+    """A Namespace whose attribute is L(levels), L(k+1) = [Lk, Lk]: 2**levels paths from a few bytes a level."""
+    import argparse
+
+    inner: list = [1]
+    for _ in range(levels):
+        inner = [inner, inner]
+    return pickle.dumps({"args": argparse.Namespace(a=inner)}, protocol=2)
+
+
+def nested_namespaces(depth: int) -> bytes:
+    """Namespaces each holding the next as its attribute `a`, `depth` deep (NEWOBJ, {'a': ...}, BUILD)."""
+    level = b"cargparse\nNamespace\n)\x81}X\x01\x00\x00\x00a"
+    return b"\x80\x02" + level * depth + b"N" + b"sb" * depth + b"."
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [(namespace_dag(60), "would not end"), (nested_namespaces(5000), "deeper than")],
+    ids=["memo amplification", "depth"],
+)
+def test_placeholders_are_held_to_the_machines_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, payload: bytes, words: str
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    path = torch_zip_file(tmp_path / "bomb.pt", payload)
+    for command in ("inspect", "global-norm"):
+        r = run_bounded(command, path, seconds=20, memory_mb=1024, cwd=tmp_path)
+        lines = r.stderr.splitlines()
+        assert r.returncode == 3 and len(lines) == 1 and words in lines[0], r
+        assert r.seconds < 5 and r.peak_mb < 300, r
+
+
+def test_a_shallow_namespace_dag_reads() -> None:
+    metadata, _ = read_torch_bytes(namespace_dag(3))
+    assert metadata["args"] == "<argparse.Namespace>" and metadata["args.a.1.1.0.0"] == "1"
+
+
+def read_torch_bytes(payload: bytes) -> tuple[dict[str, str], list]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return read_torch(torch_zip_file(Path(tmp) / "x.pt", payload))
 
 
 # -- fuzz: the placeholder machine ---------------------------------------------------------------------------

@@ -62,6 +62,10 @@ class NumpyArray(Record):
         if type(state) is not tuple or len(state) != 5 or not isinstance(state[2], NumpyDtype):
             raise MalformedError("the pickle sets a numpy.ndarray's state to something NumPy never writes")
         _, shape, dtype, fortran, raw = state
+        self.fill(shape, dtype, fortran is True, raw)
+
+    def fill(self, shape: Any, dtype: NumpyDtype, fortran: bool, raw: Any) -> None:
+        """The array's shape, dtype and values, checked (or, for a dtype not decoded, a placeholder)."""
         if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
             raise MalformedError("a pickled numpy.ndarray's shape is not a tuple of non-negative integers")
         if dtype.array is None or type(raw) is not bytes:
@@ -110,11 +114,21 @@ def _scalar(dtype: Any, data: Any = None) -> Any:
     return np.frombuffer(data, dtype.array)[0].item()
 
 
+def _frombuffer(buffer: Any, dtype: Any, shape: Any, order: Any) -> NumpyArray:
+    # protocol 5, the buffer in band: what ndarray.__reduce_ex__(5) gives for a contiguous array
+    if not isinstance(dtype, NumpyDtype) or order not in ("C", "F"):
+        raise MalformedError("numpy's _frombuffer is given something other than a dtype and an order")
+    array = NumpyArray()
+    array.fill(shape, dtype, order == "F", buffer)
+    return array
+
+
 def numpy_globals() -> dict[str, Any]:
     """The NumPy globals a pickle of arrays, dtypes and scalars names (NumPy 1 and 2 spellings)."""
     found: dict[str, Any] = {"numpy.ndarray": _NDARRAY}
     for core in ("numpy.core", "numpy._core"):
         for name, func in (("_reconstruct", _reconstruct), ("scalar", _scalar)):
             found[f"{core}.multiarray.{name}"] = Constructor(f"{core}.multiarray.{name}", func)
+        found[f"{core}.numeric._frombuffer"] = Constructor(f"{core}.numeric._frombuffer", _frombuffer)
     found["numpy.dtype"] = Constructor("numpy.dtype", _dtype)
     return found

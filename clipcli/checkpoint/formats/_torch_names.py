@@ -147,11 +147,13 @@ def _placeholder_children(p: Placeholder) -> list[tuple[Any, Any]]:
 
 
 def _inline_args(p: Placeholder) -> str | None:
-    """A placeholder object's arguments as Python literals (`'a', 1`), or None if one is not a plain value
-    (placeholders inside are never rendered inline: objects that share one another would render without end)."""
+    """A placeholder object's arguments as Python literals (`'a', 1`), or None unless they are a few plain values
+    (placeholders inside are never rendered inline: objects that share one another would render without end;
+    long or many values are named one by one, each charged to `flatten`'s budget)."""
     if not p.args:
         return ""
-    if not all(_plain(a, 0) for a in p.args):
+    left = [_INLINE_ITEMS, _INLINE_CHARS]
+    if not all(_plain(a, 0, left) for a in p.args):
         return None
     try:
         return ", ".join(_literal(a, 1) for a in p.args)
@@ -160,12 +162,22 @@ def _inline_args(p: Placeholder) -> str | None:
 
 
 _PLAIN = (str, int, float, bool, type(None), bytes, complex)
+_INLINE_ITEMS = 32  # values an object's arguments may hold and still be shown inline
+_INLINE_CHARS = 512  # characters of their strings and bytes
 
 
-def _plain(value: Any, depth: int) -> bool:
-    if type(value) in _PLAIN:
+def _plain(value: Any, depth: int, left: list[int]) -> bool:
+    left[0] -= 1
+    t = type(value)
+    if t in (str, bytes):
+        left[1] -= len(value)
+    elif t is int and value.bit_length() > 64:
+        return False
+    if left[0] < 0 or left[1] < 0:
+        return False
+    if t in _PLAIN:
         return True
-    return type(value) is tuple and depth < _MAX_KEY_DEPTH and all(_plain(v, depth + 1) for v in value)
+    return t is tuple and depth < _MAX_KEY_DEPTH and all(_plain(v, depth + 1, left) for v in value)
 
 
 def _numpy_tensor(name: str, a: NumpyArray) -> TorchTensor:

@@ -417,6 +417,7 @@ def inert_files() -> None:
         forms = {f"{stem}.pt": {}, f"{stem}_legacy.pt": {"_use_new_zipfile_serialization": False}}
         if stem == "numpy":
             forms["numpy_protocol4.pt"] = {"pickle_protocol": 4}
+            forms["numpy_protocol5.pt"] = {"pickle_protocol": 5}
         for name, options in forms.items():
             obj = make()
             torch.save(obj, folder / name, **options)

@@ -348,3 +348,36 @@ def test_a_distributed_checkpoints_weights_only_verdict_is_torchs(directory: Pat
         loads = False
     with open_checkpoint(directory) as ckpt:
         assert ckpt.pickle_audits[0].loads_with_weights_only == loads
+
+
+class AttrDict(dict):
+    """Like Lightning's AttributeDict: a dict subclass (NEWOBJ, then SETITEMS)."""
+
+
+class Items(list):
+    """A list subclass (NEWOBJ, then APPENDS)."""
+
+
+def test_placeholders_take_items_appends_and_every_build() -> None:
+    here = __name__
+    payload = pickle.dumps({"hp": AttrDict(lr=0.1, name="x"), "seq": Items([1, 2])}, protocol=2)
+    metadata, _ = read_torch_bytes(payload)
+    assert metadata["hp"] == f"<{here}.AttrDict>" and (metadata["hp.lr"], metadata["hp.name"]) == ("0.1", "x")
+    assert metadata["seq"] == f"<{here}.Items>" and (metadata["seq.0"], metadata["seq.1"]) == ("1", "2")
+    # BUILD twice: the second updates the first, as Python's would; INST and OBJ make objects as NEWOBJ does.
+    # An object saved alone is named after the file, its attributes by their names (as a dict's items).
+    twice = b"\x80\x02cfoo\nBar\n)\x81}X\x01\x00\x00\x00aK\x01sb}X\x01\x00\x00\x00aK\x02sb."
+    assert read_torch_bytes(twice)[0] == {"x": "<foo.Bar>", "a": "2"}
+    inst = b"(K\x01K\x02ifoo\nPoint\n}X\x01\x00\x00\x00zK\x03sb."
+    assert read_torch_bytes(inst)[0] == {"x": "<foo.Point(1, 2)>", "z": "3"}
+    obj = b"\x80\x02(cfoo\nPoint\nK\x01o."
+    assert read_torch_bytes(obj)[0] == {"x": "<foo.Point(1)>"}
+    for data in (twice, inst, obj):
+        assert {g.name: g.use for g in audit_of(data).globals} == {"foo.Bar" if data is twice else "foo.Point": "call"}
+        assert pickletools_calls(data) == {"foo.Bar" if data is twice else "foo.Point"}
+
+
+def audit_of(payload: bytes):
+    audit = Audit()
+    unpickle(payload, _torch_records.resolve, None, audit, True)
+    return audit.result("x")

@@ -73,16 +73,17 @@ class Placeholder(Record):
     """A global clipcli does not know, or an object a pickle makes from one: inert data, never called.
 
     `args` is None for the global itself; an object made by REDUCE, NEWOBJ, INST or OBJ holds its arguments
-    (`args`, `kwargs`), and what BUILD, SETITEM(S) and APPEND(S) gave it (`state`, `items`, `list_items`).
+    (`args`, `kwargs`), and what BUILD, SETITEM(S) and APPEND(S) gave it (`states`, one per BUILD; `items`;
+    `list_items`).
     """
 
-    __slots__ = ("args", "items", "kwargs", "list_items", "name", "state")
+    __slots__ = ("args", "items", "kwargs", "list_items", "name", "states")
 
     def __init__(self, name: str, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None):
         self.name = name  # the dotted name of the global it is, or that made it
         self.args = args
         self.kwargs = kwargs or {}
-        self.state: Any = None
+        self.states: list[Any] = []
         self.items: dict[Any, Any] = {}
         self.list_items: list[Any] = []
 
@@ -90,7 +91,7 @@ class Placeholder(Record):
         return f"global {self.name}" if self.args is None else f"{self.name} object"
 
     def build(self, state: Any) -> None:
-        self.state = state if self.state is None else (self.state, state)
+        self.states.append(state)
 
 
 class PickledDict(dict):

@@ -128,19 +128,18 @@ def _placeholder_children(p: Placeholder) -> list[tuple[Any, Any]]:
     if p.args and _inline_args(p) is None:
         out += [(f"__args__.{i}", a) for i, a in enumerate(p.args)]
     out += [(f"__kwargs__.{k}", v) for k, v in p.kwargs.items()]
-    state = p.state
-    parts = (
-        state
-        if type(state) is tuple and len(state) == 2 and all(type(x) in (dict, type(None)) for x in state)
-        else (state,)
-    )
-    for part in parts:
-        if part is None:
-            continue
-        if isinstance(part, dict) and all(type(k) is str for k in part):
-            out += list(part.items())
-        else:
-            out.append(("__state__", part))
+    attributes: dict[str, Any] = {}  # each BUILD updates them, as Python's does
+    others = []
+    for state in p.states:  # (__dict__, slots) as pickle's BUILD takes them, or a dict, or another state
+        pair = type(state) is tuple and len(state) == 2 and all(type(x) in (dict, type(None)) for x in state)
+        for part in state if pair else (state,):
+            if isinstance(part, dict) and all(type(k) is str for k in part):
+                attributes.update(part)
+            elif part is not None:
+                others.append(part)
+    out += list(attributes.items())
+    if others:
+        out.append(("__state__", others[0] if len(others) == 1 else others))
     out += list(p.items.items())
     out += list(enumerate(p.list_items))
     return out

@@ -381,3 +381,33 @@ def audit_of(payload: bytes):
     audit = Audit()
     unpickle(payload, _torch_records.resolve, None, audit, True)
     return audit.result("x")
+
+
+def test_every_command_takes_the_gate() -> None:
+    import typer
+
+    from clipcli.cli import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        options = {opt for p in command.params for opt in getattr(p, "opts", [])}
+        assert "--fail-unsafe-pickle" in options, name
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["clip-norm", "--clip-norm", "1", "--dry-run"],
+        ["clip-value", "--min", "-1", "--max", "1", "--dry-run"],
+        ["clip-global-norm", "--clip-norm", "1", "--dry-run"],
+        ["trajectory"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_the_other_commands_warn_and_gate(args: list[str]) -> None:
+    path = INERT / "namespace.pt"
+    warning = f"clipcli: warning: {path}: torch.load would call argparse.Namespace (never called here)\n"
+    result = run(args[0], path, *args[1:], "--quiet")
+    assert (result.exit_code, result.stderr) == (0, warning)
+    result = run(args[0], path, *args[1:], "--quiet", "--fail-unsafe-pickle")
+    assert result.exit_code == 1 and result.stderr.startswith(warning)

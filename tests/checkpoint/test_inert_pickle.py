@@ -411,3 +411,20 @@ def test_the_other_commands_warn_and_gate(args: list[str]) -> None:
     assert (result.exit_code, result.stderr) == (0, warning)
     result = run(args[0], path, *args[1:], "--quiet", "--fail-unsafe-pickle")
     assert result.exit_code == 1 and result.stderr.startswith(warning)
+
+
+def test_pytorch_shards_are_audited_together() -> None:
+    directory = DATA / "torch" / "sharded_bin"
+    result = run("inspect", directory, "--format", "json", "--fail-unsafe-pickle")
+    assert (result.exit_code, result.stderr) == (0, "")
+    audit = json.loads(result.stdout)["checkpoints"][0]["pickle"]
+    shards = sorted(directory.glob("*.bin"))
+    assert len(shards) > 1 and audit["loads_with_weights_only"] is True
+    calls: dict[str, int] = {}
+    for shard in shards:
+        one = Audit()
+        read_torch(shard, audit=one)
+        for g in one.result(str(shard)).globals:
+            if g.use == "call":
+                calls[g.name] = calls.get(g.name, 0) + g.count
+    assert {g["name"]: g["count"] for g in audit["globals"] if g["use"] == "call"} == calls

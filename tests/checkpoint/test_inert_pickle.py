@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 from clipcli.checkpoint import open_checkpoint
-from clipcli.checkpoint.formats import _torch_records
+from clipcli.checkpoint.formats import _torch_names, _torch_records
 from clipcli.checkpoint.formats._pickle import unpickle
 from clipcli.checkpoint.formats._pickle_audit import WEIGHTS_ONLY_GLOBALS, Audit
 from clipcli.checkpoint.formats.torch import read_torch
-from clipcli.errors import ClipcliError
+from clipcli.errors import ClipcliError, MalformedError
 from tests.helpers import DATA, ROOT, byte_mutations, pickletools_calls, run, run_bounded, torch_zip_file
 
 INERT = DATA / "torch" / "inert"
@@ -256,17 +256,36 @@ def read_torch_bytes(payload: bytes) -> tuple[dict[str, str], list]:
 
 OPCODES = sorted({op for op in (getattr(pickle, n) for n in dir(pickle) if n.isupper()) if type(op) is bytes})
 _ARGS = {b"c": b"os\nsystem\n", b"i": b"argparse\nNamespace\n", b"X": b"\x01\x00\x00\x00a", b"K": b"\x01"}
+# NumPy's globals, and the arguments its arrays, dtypes and scalars take
+_NUMPY = [
+    b"cnumpy.core.multiarray\n_reconstruct\n",
+    b"cnumpy\nndarray\n",
+    b"cnumpy\ndtype\n",
+    b"cnumpy.core.multiarray\nscalar\n",
+    b"cnumpy._core.numeric\n_frombuffer\n",
+    b"X\x02\x00\x00\x00f4",
+    b"X\x01\x00\x00\x00<",
+    b"C\x04\x00\x00\x80?",
+    b"K\x00",
+    b"K\x03",
+    b"\x89",
+    b"\x88",
+]
+
+
+_TOKENS = [
+    op + _ARGS.get(op, b"")
+    for op in (b"c", b"i", b"R", b"\x81", b"b", b"(", b"t", b"s", b"u", b"a", b"e", b"]", b"}", b")", b"N", b"X", b"K")
+] + [b"\x94", b"h\x00", b"h\x01", b"o", b"0", b"2", b"\x85", b"\x86", b"\x87", *_NUMPY]
 
 
 @st.composite
 def opcode_streams(draw: st.DrawFn) -> bytes:
-    """Opcodes, mostly those that build placeholders and call them, with arguments that often parse."""
-    ops = draw(st.lists(st.sampled_from([b"c", b"i", b"R", b"\x81", b"b", b"(", b"t", b"s", b"u", b"a", b"e", b"]",
-                                         b"}", b")", b"N", b"X", b"K", b"\x94", b"h\x00", b"o", b"0", b"2", b"."]),
-                        max_size=60))  # fmt: skip
+    """Opcodes, mostly those that build placeholders and NumPy records and call them, with arguments that often
+    parse, and a few of any kind."""
+    tokens = draw(st.lists(st.sampled_from(_TOKENS), max_size=80))
     extra = draw(st.lists(st.sampled_from([o for o in OPCODES if len(o) == 1]), max_size=5))
-    body = b"".join(op + _ARGS.get(op, b"") for op in ops + extra)
-    return b"\x80\x02" + body + b"."
+    return b"\x80\x02" + b"".join(tokens + extra) + b"."
 
 
 def imported_beyond(modules: set[str]) -> set[str]:
@@ -275,8 +294,11 @@ def imported_beyond(modules: set[str]) -> set[str]:
 
 
 def _unpickled_or_refused(data: bytes) -> None:
+    """The pickle run on the machine and its object named (as a torch.save file's), or one error line."""
+    storages = _torch_records.Storages(legacy=False)
     try:
-        unpickle(data, _torch_records.resolve, _torch_records.Storages(legacy=False).persistent_load, Audit(), True)
+        root = unpickle(data, _torch_records.resolve, storages.persistent_load, Audit(), True)
+        _torch_names.flatten(root, "x", storages, False, len(data))
     except ClipcliError as e:
         assert "\n" not in str(e)
 
@@ -428,3 +450,12 @@ def test_pytorch_shards_are_audited_together() -> None:
             if g.use == "call":
                 calls[g.name] = calls.get(g.name, 0) + g.count
     assert {g["name"]: g["count"] for g in audit["globals"] if g["use"] == "call"} == calls
+
+
+def test_a_numpy_array_without_its_state_is_refused() -> None:
+    bare = b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85C\x01b\x87R."
+    with pytest.raises(MalformedError, match="never gives its state"):
+        read_torch_bytes(bare)
+    wrong_size = bare[:-1] + b"(K\x01K\x02\x85cnumpy\ndtype\nX\x02\x00\x00\x00f4\x89\x88\x87R\x89C\x04\x00\x00\x80?tb."
+    with pytest.raises(MalformedError, match="holds 4 bytes"):
+        read_torch_bytes(wrong_size)

@@ -180,7 +180,8 @@ def _plain(value: Any, depth: int, left: list[int]) -> bool:
 
 
 def _numpy_tensor(name: str, a: NumpyArray) -> TorchTensor:
-    assert a.dtype is not None and a.data is not None
+    if a.dtype is None or a.data is None:
+        raise MalformedError("a numpy.ndarray that the pickle never gives its state (BUILD)", tensor=name)
     shape = a.shape
     check_elements(shape, name)
     strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))

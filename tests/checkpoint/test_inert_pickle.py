@@ -459,3 +459,17 @@ def test_a_numpy_array_without_its_state_is_refused() -> None:
     wrong_size = bare[:-1] + b"(K\x01K\x02\x85cnumpy\ndtype\nX\x02\x00\x00\x00f4\x89\x88\x87R\x89C\x04\x00\x00\x80?tb."
     with pytest.raises(MalformedError, match="holds 4 bytes"):
         read_torch_bytes(wrong_size)
+
+
+def test_the_audit_from_python() -> None:
+    import clipcli
+
+    with clipcli.open(INERT / "namespace.pt") as ckpt:
+        audit = ckpt.pickle
+    assert (
+        audit
+        == json.loads(run("inspect", INERT / "namespace.pt", "--format", "json").stdout)["checkpoints"][0]["pickle"]
+    )
+    assert audit["loads_with_weights_only"] is False
+    with clipcli.open(DATA / "torch" / "model_state.pt") as ckpt:
+        assert ckpt.pickle["loads_with_weights_only"] is True

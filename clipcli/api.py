@@ -56,6 +56,13 @@ class CheckpointFile:
         return dict(self._ckpt.metadata)
 
     @property
+    def pickle(self) -> dict[str, Any] | None:
+        """The pickle audit of a pickle-based checkpoint, as `inspect`'s JSON gives it; None for other formats."""
+        from clipcli.commands.inspect import pickle_audit
+
+        return pickle_audit(self._ckpt)
+
+    @property
     def names(self) -> list[str]:
         """The tensors' names, in the file's order."""
         return list(self._tensors)

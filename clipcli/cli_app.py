@@ -71,12 +71,18 @@ def handled_errors(debug: bool, command: str) -> Iterator[None]:
 
     `command`: the module of `clipcli.commands` the command runs, imported first (`_import_command`).
     """
+    unsafe: list[str] = []
     try:
         _import_command(command)
         _lost_reports.clear()
-        yield
+        with _pickles_vetted(unsafe):
+            yield
         if _lost_reports:  # no gate failed: the lost report is the outcome
             raise _lost_reports.pop()
+        if unsafe and any(opts.UNSAFE_PICKLE_GATE):
+            from clipcli.errors import CheckFailedError
+
+            raise CheckFailedError(f"{unsafe[0]} (--fail-unsafe-pickle)")
     except KeyboardInterrupt:
         _stopped(ExitStatus.INTERRUPTED)
     except Terminated:
@@ -86,6 +92,31 @@ def handled_errors(debug: bool, command: str) -> Iterator[None]:
         if status is not None:  # a stop's exception turned into another on its way (NumPy's import: an ImportError)
             _stopped(status)
         _failed(e, debug)
+    finally:
+        opts.UNSAFE_PICKLE_GATE.clear()
+
+
+@contextlib.contextmanager
+def _pickles_vetted(unsafe: list[str]) -> Iterator[None]:
+    """Warns once per file whose pickle would call a global outside torch's weights-only allowlist (as each
+    checkpoint opens), and collects those lines in `unsafe` for --fail-unsafe-pickle."""
+    from clipcli.checkpoint.reader import OPEN_HOOKS
+
+    seen: set[str] = set()
+
+    def vet(ckpt: Any) -> None:
+        for audit in ckpt.pickle_audits:
+            if audit.unsafe_calls and audit.file not in seen:
+                seen.add(audit.file)
+                line = f"{audit.file}: torch.load would call {', '.join(audit.unsafe_calls)}"
+                unsafe.append(line)
+                typer.echo(f"clipcli: warning: {printable(line)} (never called here)", err=True)
+
+    OPEN_HOOKS.append(vet)
+    try:
+        yield
+    finally:
+        OPEN_HOOKS.remove(vet)
 
 
 def _import_command(command: str) -> None:

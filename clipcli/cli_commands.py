@@ -31,6 +31,7 @@ def inspect(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """List tensor names, dtypes, shapes, element counts, sizes and the file's metadata, from the headers."""
@@ -72,6 +73,7 @@ def global_norm(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """Per-tensor norms, max |x|, NaN/Inf counts and shares, and the global norm (tf.linalg.global_norm).
@@ -169,6 +171,7 @@ def clip_value(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """tf.clip_by_value on every selected real floating tensor: NaN stays NaN, +-inf is clipped to the bounds.
@@ -215,6 +218,7 @@ def clip_norm(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """tf.clip_by_norm on each selected floating or complex tensor separately, optionally along axes.
@@ -261,6 +265,7 @@ def clip_global_norm(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """tf.clip_by_global_norm over all selected floating and complex tensors together: one common scale.
@@ -372,6 +377,7 @@ def diff(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """How far checkpoint B is from A: ‖A−B‖, ‖A‖, ‖B‖, ‖A−B‖/‖A‖, cosine, max |a−b| and changed elements.
@@ -424,6 +430,7 @@ def convert(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """The same tensors in another format or layout: every value, dtype, shape, name and the metadata kept,
@@ -473,6 +480,7 @@ def trajectory(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """A run's checkpoints, step by step: each one's global norm and, against the previous one, |Δ|, the relative

@@ -129,6 +129,23 @@ Exclude = Annotated[
 FormatOpt = Annotated[Format, typer.Option("--format", metavar="FORMAT", help="Report format: table, json or csv.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No report on stdout; errors still go to stderr.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+UNSAFE_PICKLE_GATE: list[bool] = []  # set by --fail-unsafe-pickle while the command runs
+
+
+def _gate_unsafe_pickle(value: bool) -> bool:
+    UNSAFE_PICKLE_GATE[:] = [value]
+    return value
+
+
+FailUnsafePickle = Annotated[
+    bool,
+    typer.Option(
+        "--fail-unsafe-pickle",
+        callback=_gate_unsafe_pickle,
+        help="Exit 1 when a PyTorch file's pickle would call a global outside torch's weights-only allowlist "
+        "(clipcli never calls it).",
+    ),
+]
 Sort = Annotated[
     SortKey | None,
     typer.Option("--sort", metavar="KEY", help="Order the rows by name, norm or size (norm and size: largest first)."),

@@ -28,6 +28,7 @@ def hash_(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """Content hashes: SHA-256 of each tensor's dtype name, shape and values (little-endian, C order), and one
@@ -77,6 +78,7 @@ def stats(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """Is every value sane, and will it survive a cast? Per tensor, exact: count, min, max, max |x| and where,
@@ -133,6 +135,7 @@ def verify(
     exclude: opts.Exclude = None,
     fmt: opts.FormatOpt = opts.Format.table,
     quiet: opts.Quiet = False,
+    fail_unsafe_pickle: opts.FailUnsafePickle = False,
     debug: opts.Debug = False,
 ) -> None:
     """Checks a checkpoint whole: its structure from headers and sizes (every shard an index names present and

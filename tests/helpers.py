@@ -466,6 +466,17 @@ def digest(path: Path) -> str:
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
 DATA = ROOT / "tests" / "data"
+# Every checkpoint real torch wrote in tests/data (each torch.save file, each DCP directory): inert/ is a folder of
+# files, each read on its own (tests/checkpoint/test_inert_pickle.py)
+WRITTEN_BY_TORCH = [
+    *sorted(
+        p
+        for p in (DATA / "torch").iterdir()
+        if (p.is_dir() and p.name != "inert") or p.suffix in (".pt", ".pth", ".bin", ".ckpt")
+    ),
+    DATA / "dcp" / "sharded",
+    DATA / "dcp" / "single",
+]
 GOLDEN = ROOT / "tests" / "golden"
 ENV = {"NO_COLOR": "1", "COLUMNS": "100", "TERMINAL_WIDTH": "100"}
 NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64, "F64": np.float64}
@@ -661,3 +672,79 @@ def byte_mutations(draw, data: bytes) -> bytes:
             packed = struct.pack("<Q" if size == 8 else "<I", value % 2 ** (8 * size))
             out[pos : pos + size] = packed[: len(out) - pos]
     return bytes(out)
+
+
+def pickletools_calls(payload: bytes) -> set[str]:
+    """The globals a pickle would call, found independently of clipcli: a symbolic run of pickletools' opcodes
+    (each pops and pushes what pickletools says), where a global or what it made is the callee of REDUCE,
+    NEWOBJ(_EX), INST or OBJ."""
+    import pickletools
+
+    calls: set[str] = set()
+    stack: list[Any] = []
+    marks: list[list[Any]] = []
+    memo: dict[int, Any] = {}
+    proto = 0
+    for op, arg, _ in pickletools.genops(payload):
+        name = op.name
+        if name == "PROTO":
+            proto = arg
+        if name in ("GLOBAL", "INST"):
+            module, _, attr = arg.partition(" ")
+            if proto < 3:  # Python's Unpickler.find_class with fix_imports
+                import _compat_pickle
+
+                module, attr = _compat_pickle.NAME_MAPPING.get(
+                    (module, attr), (_compat_pickle.IMPORT_MAPPING.get(module, module), attr)
+                )
+            g = ("global", f"{module}.{attr}")
+            if name == "INST":
+                calls.add(g[1])
+                stack = marks.pop()
+                stack.append(("made", g[1]))
+            else:
+                stack.append(g)
+            continue
+        if name == "STACK_GLOBAL":
+            attr, module = stack.pop(), stack.pop()
+            stack.append(("global", f"{module[1]}.{attr[1]}"))
+            continue
+        if name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ"):
+            if name == "OBJ":
+                items = stack
+                stack = marks.pop()
+                callee = items[0]
+            else:
+                for _ in range({"REDUCE": 1, "NEWOBJ": 1, "NEWOBJ_EX": 2}[name]):
+                    stack.pop()
+                callee = stack.pop()
+            if type(callee) is tuple and callee[0] in ("global", "made"):
+                calls.add(callee[1])
+                stack.append(("made", callee[1]))
+            else:
+                stack.append(None)
+            continue
+        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = stack[-1]
+            continue
+        if name == "MEMOIZE":
+            memo[len(memo)] = stack[-1]
+            continue
+        if name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo[arg])
+            continue
+        if name == "MARK":
+            marks.append(stack)
+            stack = []
+            continue
+        if name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            stack.append(("str", arg))
+            continue
+        before = op.stack_before
+        if pickletools.markobject in before:
+            stack = marks.pop()
+            before = [b for b in before if b is not pickletools.markobject and b is not pickletools.stackslice]
+        for _ in before:
+            stack.pop()
+        stack.extend(None for _ in op.stack_after)
+    return calls

@@ -107,7 +107,8 @@ class Opened(NamedTuple):
     `files` are the files holding its data (None: the path opened); `format` is the name reports show (None:
     the format's own); `index` and `index_path` are the index of shards it was opened through, if any;
     `layout_keys` are the metadata keys that say how the files were written, not what they hold; `sharded`
-    says whether it is a checkpoint of several files by its kind (a directory or an index), however many.
+    says whether it is a checkpoint of several files by its kind (a directory or an index), however many;
+    `audits` are the pickle audits of the pickles it was read from (`formats/_pickle_audit.PickleAudit`).
     """
 
     metadata: dict[str, str]
@@ -118,6 +119,7 @@ class Opened(NamedTuple):
     index_path: Path | None = None
     layout_keys: frozenset[str] = frozenset()
     sharded: bool = False
+    audits: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,15 @@ from clipcli.checkpoint.crc import Log, ReadLog
 from clipcli.checkpoint.decode import decode
 from clipcli.checkpoint.engine import CHUNK_BYTES, geometry, spans
 from clipcli.checkpoint.source import LocalStore, Store
-from clipcli.checkpoint.tensor import Copy, Pieces, Span, TensorInfo, ZipMember
+from clipcli.checkpoint.tensor import Copy, Held, Pieces, Span, TensorInfo, ZipMember
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
 
 if TYPE_CHECKING:
     import zipfile
 
 R = TypeVar("R")
+# called with every checkpoint `open_checkpoint` opens (the command line warns of what its pickles would call)
+OPEN_HOOKS: list[Callable[[Checkpoint], None]] = []
 MAX_NUMPY_DIMS = 64  # the most dimensions a NumPy array has; a tensor may have more
 
 
@@ -43,6 +45,7 @@ class Checkpoint:
         layout_keys: frozenset[str] = frozenset(),
         sharded: bool = False,
         store: Store | None = None,
+        pickle_audits: tuple[Any, ...] = (),
     ):
         self.path = path
         self.index_path = index_path
@@ -53,6 +56,7 @@ class Checkpoint:
         self.index = index
         self.layout_keys = layout_keys  # metadata keys that say how the files were written, not what they hold
         self.sharded = sharded  # a checkpoint of several files by its kind (a directory or an index)
+        self.pickle_audits = pickle_audits  # what its pickles name and would call (PyTorch files), one per file
         self.store = LocalStore() if store is None else store  # its files (a local store keeps some open)
         self._zips: dict[str, tuple[zipfile.ZipFile, BinaryIO]] = {}
         self._zips_lock = threading.Lock()  # threads streaming members of one zip open its directory once
@@ -73,7 +77,8 @@ class Checkpoint:
 
     def random_access(self, t: TensorInfo) -> bool:
         """Whether the tensor's bytes can be read anywhere by any worker (else only in order)."""
-        return isinstance(t.location, Span) or (isinstance(t.location, Pieces) and not t.location.strided)
+        loc = t.location
+        return isinstance(loc, (Span, Held)) or (isinstance(loc, Pieces) and not loc.strided)
 
     def chunks(
         self, info: TensorInfo, max_bytes: int = CHUNK_BYTES, align: int = 1, unit: int = 1
@@ -132,6 +137,9 @@ class Checkpoint:
         loc = t.location
         if isinstance(loc, Pieces):
             self._gather(t, offset, buf)
+            return
+        if isinstance(loc, Held):
+            buf.view(np.uint8)[:] = np.frombuffer(loc.data, np.uint8, buf.nbytes, offset)
             return
         view = memoryview(buf)
         self._read_at(t.file, loc.offset + offset, view, t)
@@ -305,7 +313,15 @@ def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) ->
         except BaseException:
             store.close()
             raise
-    return at_path(path, store, lambda p, s: _checked_text(_open(p, s)))
+    return at_path(path, store, _opened)
+
+
+def _opened(path: Path, store: Store) -> Checkpoint:
+    """The checkpoint at a path known to exist, checked, and shown to every `OPEN_HOOKS` function."""
+    ckpt = _checked_text(_open(path, store))
+    for hook in OPEN_HOOKS:
+        hook(ckpt)
+    return ckpt
 
 
 def remote_store(path: str | os.PathLike[str], store: Store | None) -> tuple[Store, Path] | None:
@@ -360,7 +376,7 @@ def _open(path: Path, store: Store) -> Checkpoint:
     fmt = opened.format or ""
     return Checkpoint(
         path, fmt, opened.metadata, opened.tensors, files, opened.index, opened.index_path, opened.layout_keys,
-        opened.sharded, store,
+        opened.sharded, store, opened.audits,
     )  # fmt: skip
 
 

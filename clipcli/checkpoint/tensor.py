@@ -77,6 +77,12 @@ class Span(NamedTuple):
     crc: StoredCrc | None = None
 
 
+class Held(NamedTuple):
+    """A tensor's bytes held in memory, read with its header (a NumPy array pickled inside a PyTorch file)."""
+
+    data: bytes
+
+
 class Piece(NamedTuple):
     """A rectangular piece of a tensor (`sizes` from `offsets`), its elements in C order from `offset` of `file`.
 

@@ -46,4 +46,27 @@ def listing_fields(
         "tensors": order(rows, sort, top),
         "shared": shared_storages(tensors),
         "several_files": ckpt.sharded,
+        "pickle": pickle_audit(ckpt),
+    }
+
+
+def pickle_audit(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The JSON's `pickle` object of a pickle-based checkpoint, else None: over several pickle files (PyTorch
+    shards), each global's uses summed ("call" if any file calls it), and loaded only if every file loads."""
+    audits = ckpt.pickle_audits
+    if not audits:
+        return None
+    if len(audits) == 1:
+        return audits[0].to_dict()
+    uses: dict[str, list[int]] = {}  # name: [references, calls]
+    for audit in audits:
+        for g in audit.globals:
+            counts = uses.setdefault(g.name, [0, 0])
+            counts[g.use == "call"] += g.count
+    return {
+        "loads_with_weights_only": all(a.loads_with_weights_only for a in audits),
+        "globals": [
+            {"name": name, "use": "call" if calls else "name", "count": calls or refs}
+            for name, (refs, calls) in sorted(uses.items())
+        ],
     }

@@ -22,6 +22,8 @@ class Listing:
     tensors: tuple[InspectRow, ...] = ()
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
     several_files: bool = False  # a layout of several files (shards, a distributed checkpoint): the table names each
+    # a pickle-based checkpoint's audit: {"loads_with_weights_only": bool, "globals": [{"name", "use", "count"}]}
+    pickle: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -52,6 +54,14 @@ class Listing:
         w.writerow([cell(self.path), "", "", "", self.summary.elements, self.summary.nbytes, "", "global"])
 
 
+def _pickle_lines(audit: dict[str, Any] | None) -> list[str]:
+    if audit is None:
+        return []
+    verdict = "loads" if audit["loads_with_weights_only"] else "does not load"
+    lines = [f"  pickle: torch.load(weights_only=True) {verdict}; globals:"]
+    return lines + [f"    {g['name']} ({g['use']} x{g['count']})" for g in audit["globals"]]
+
+
 _CSV_HEADER = ["path", "name", "dtype", "shape", "elements", "nbytes", "file", "kind"]
 
 
@@ -70,6 +80,8 @@ class InspectReport(Report):
             one.update({"tensor_count": s.tensors, "elements": s.elements, "nbytes": s.nbytes})
             one["tensors"] = c._tensors_json()
             one["shared_storage"] = [list(names) for names in c.shared]
+            if c.pickle is not None:
+                one["pickle"] = c.pickle
             out.append(one)
         return {"schema": SCHEMA, "command": self.command, "checkpoints": out}
 
@@ -83,6 +95,7 @@ class InspectReport(Report):
         for c in self.checkpoints:
             lines = [f"{c.path}: {c.format}, {c._counts()}"]
             lines += [f"  metadata {k} = {v}" for k, v in (c.metadata or {}).items()]
+            lines += _pickle_lines(c.pickle)
             lines += c._table(c.several_files)
             blocks.append(lines + shared_lines(c.shared, written=False))
         return blocks

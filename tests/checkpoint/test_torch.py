@@ -44,9 +44,22 @@ from clipcli.checkpoint.formats._pickle import (
     unpickle,
     unpickle_at,
 )
+from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats.torch import is_contiguous, read_torch, shared_storages, view_byte_range
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsafePickleError, UnsupportedError
-from tests.helpers import DATA, PID, ROOT, Call, G, byte_mutations, ops, read_values, redirect_member, zip_file
+from tests.helpers import (
+    DATA,
+    PID,
+    ROOT,
+    Call,
+    G,
+    byte_mutations,
+    ops,
+    pickletools_calls,
+    read_values,
+    redirect_member,
+    zip_file,
+)
 
 CORPUS = DATA / "torch"
 CORPUS_FILES = sorted(p for p in CORPUS.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
@@ -303,26 +316,33 @@ def payloads(sentinel: Path) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", CONTAINERS)
 @pytest.mark.parametrize("protocol", [0, 2, 4, 5])
 @pytest.mark.parametrize("what", list(payloads(Path("x"))))
-def test_reduce_payloads_are_refused_and_never_run(tmp_path: Path, kind: str, protocol: int, what: str) -> None:
+def test_reduce_payloads_are_read_inert_and_audited(tmp_path: Path, kind: str, protocol: int, what: str) -> None:
     sentinel = tmp_path / "pwned"
     payload = pickle.dumps(payloads(sentinel)[what], protocol=protocol)
     path = container(kind, tmp_path, payload)
-    with pytest.raises(UnsafePickleError) as e:
-        read_torch(path)
-    assert "the pickle asks for GLOBAL " in str(e.value) and "which clipcli never runs" in str(e.value)
-    if "." in what:  # protocols 0-2 spell subprocess.Popen "commands.Popen", as Python 2 knew it
-        assert what.split(".")[-1] in str(e.value)
+    audit = Audit()
+    modules = set(sys.modules)
+    metadata, tensors = read_torch(path, audit=audit)
+    imported = set(sys.modules) - modules
+    result = audit.result(str(path))
+    calls = {g.name for g in result.globals if g.use == "call"}
+    assert calls == pickletools_calls(payload)
+    assert set(result.unsafe_calls) == calls and not result.loads_with_weights_only
+    if "." in what:  # protocols 0-2 spell subprocess.Popen "commands.Popen"... no: Python 3 writes subprocess
+        assert any(name.endswith(what.split(".")[-1]) for name in calls), calls
+    assert any(v.startswith("<") for v in metadata.values()) and tensors == []
     assert not sentinel.exists() and "CLIPCLI_PWNED" not in os.environ
+    assert all(name.startswith("encodings.") for name in imported), imported  # codecs of protocol 0's text only
 
 
 def test_the_payloads_are_live(tmp_path: Path) -> None:
-    """The same bytes that clipcli refuses do create the sentinel when Python's pickle loads them."""
+    """The same bytes that clipcli reads inertly do create the sentinel when Python's pickle loads them."""
     sentinel = tmp_path / "pwned"
     payload = tmp_path / "payload.pkl"
     payload.write_bytes(pickle.dumps(payloads(sentinel)["builtins.exec"], protocol=2))
     for kind in CONTAINERS:
-        with pytest.raises(UnsafePickleError):
-            read_torch(container(kind, tmp_path, payload.read_bytes()))
+        metadata, _ = read_torch(container(kind, tmp_path, payload.read_bytes()))
+        assert metadata["evil"].startswith("<builtins.exec(")
     assert not sentinel.exists()
     script = "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read())"
     subprocess.run([sys.executable, "-c", script, str(payload)], check=True, env={"PATH": os.environ["PATH"]})
@@ -343,30 +363,46 @@ def stack_global_from_memo(module: str, name: str) -> bytes:
     )
 
 
+# read with placeholders: (payload, the globals called, the metadata rendered for the placeholder)
+INERT_PAYLOADS = {
+    "STACK_GLOBAL from memo": (stack_global_from_memo("os", "system"), {"os.system"}),
+    "INST": (b"(S'touch x'\nios\nsystem\n.", {"os.system"}),
+    "OBJ of a refused global": (b"\x80\x02(cos\nsystem\nS'x'\no.", {"os.system"}),
+    "NEWOBJ of a refused class": (b"\x80\x02csubprocess\nPopen\n)\x81.", {"subprocess.Popen"}),
+    "torch.load": (pkl(Call(G("torch", "load"), "x.pt")), {"torch.load"}),
+    "torch.hub.load": (pkl(Call(G("torch.hub", "load"), "evil/repo", "model")), {"torch.hub.load"}),
+    "torch._C": (pkl(Call(G("torch._C", "_set_grad_enabled"), False)), {"torch._C._set_grad_enabled"}),
+    "torch.serialization.load": (pkl(G("torch.serialization", "load")), set()),
+    "torch.nn module": (pkl(Call(G("torch.nn.modules.linear", "Linear"), 2, 2)), {"torch.nn.modules.linear.Linear"}),
+    "getattr": (pkl(Call(Call(G("builtins", "getattr"), G("os", "path"), "join"), "a")), {"builtins.getattr"}),
+    "__builtin__ spelling": (pkl(Call(G("__builtin__", "eval"), "1")), {"builtins.eval"}),
+    "builtins.frozenset (torch refuses it too)": (
+        pickle.dumps({"f": frozenset({1})}, protocol=2),
+        {"builtins.frozenset"},
+    ),
+    "builtins.bytes (torch refuses it too)": (pickle.dumps({"b": b""}, protocol=2), {"builtins.bytes"}),
+}
+
+
+@pytest.mark.parametrize("kind", CONTAINERS)
+@pytest.mark.parametrize("what", list(INERT_PAYLOADS))
+def test_foreign_globals_become_placeholders_and_their_calls_are_audited(tmp_path: Path, kind: str, what: str) -> None:
+    payload, called = INERT_PAYLOADS[what]
+    audit = Audit()
+    metadata, tensors = read_torch(container(kind, tmp_path, payload), audit=audit)
+    result = audit.result("evil.pt")
+    assert {g.name for g in result.globals if g.use == "call"} == called == pickletools_calls(payload)
+    assert set(result.unsafe_calls) == called and not result.loads_with_weights_only
+    assert tensors == [] and metadata
+
+
 RAW_PAYLOADS = {
-    "STACK_GLOBAL from memo": (stack_global_from_memo("os", "system"), "GLOBAL os.system"),
-    "INST": (b"(S'touch x'\nios\nsystem\n.", "GLOBAL os.system"),
     "OBJ": (b"\x80\x02(ccollections\nOrderedDict\no.", "OBJ"),
-    "OBJ of a refused global": (b"\x80\x02(cos\nsystem\nS'x'\no.", "GLOBAL os.system"),
     "NEWOBJ": (b"\x80\x02ccollections\nOrderedDict\n)\x81.", "NEWOBJ"),
     "NEWOBJ_EX": (b"\x80\x04ccollections\nOrderedDict\n)}\x92.", "NEWOBJ_EX"),
-    "NEWOBJ of a refused class": (b"\x80\x02csubprocess\nPopen\n)\x81.", "GLOBAL subprocess.Popen"),
     "EXT1": (b"\x80\x02\x82\x01)R.", "EXT1"),
     "EXT2": (b"\x80\x02\x83\x01\x00)R.", "EXT2"),
     "EXT4": (b"\x80\x02\x84\x01\x00\x00\x00)R.", "EXT4"),
-    "torch.load": (pkl(Call(G("torch", "load"), "x.pt")), "GLOBAL torch.load"),
-    "torch.hub.load": (pkl(Call(G("torch.hub", "load"), "evil/repo", "model")), "GLOBAL torch.hub.load"),
-    "torch._C": (pkl(Call(G("torch._C", "_set_grad_enabled"), False)), "GLOBAL torch._C._set_grad_enabled"),
-    "torch.serialization.load": (pkl(G("torch.serialization", "load")), "GLOBAL torch.serialization.load"),
-    "torch.nn module": (pkl(Call(G("torch.nn.modules.linear", "Linear"), 2, 2)), "GLOBAL torch.nn.modules.linear"),
-    "getattr": (pkl(Call(Call(G("builtins", "getattr"), G("os", "path"), "join"), "a")), "GLOBAL builtins.getattr"),
-    "__builtin__ spelling": (pkl(Call(G("__builtin__", "eval"), "1")), "GLOBAL builtins.eval"),
-    "numpy": (pkl(Call(G("numpy.core.multiarray", "scalar"), 1)), "GLOBAL numpy.core.multiarray.scalar"),
-    "builtins.frozenset (torch refuses it too)": (
-        pickle.dumps({"f": frozenset({1})}, protocol=2),
-        "builtins.frozenset",
-    ),
-    "builtins.bytes (torch refuses it too)": (pickle.dumps({"b": b""}, protocol=2), "GLOBAL builtins.bytes"),
     "REDUCE on a string": (pkl(Call("os.system", "x")), "calls a str"),
     "REDUCE on a dtype": (pkl(Call(G("torch", "float32"), 1)), "calls a global torch.float32"),
     "REDUCE on a storage type": (pkl(Call(G("torch", "FloatStorage"), 4)), "calls a global torch.FloatStorage"),
@@ -933,6 +969,8 @@ def test_the_parsers_import_no_torch() -> None:
         assert not any(name.split(".")[0] == "torch" for name in names), source
         if source.parent.name == "formats" and source.name in (
             "_pickle.py",
+            "_pickle_audit.py",
+            "_numpy_pickle.py",
             "torch.py",
             "_torch_records.py",
             "_torch_names.py",
@@ -948,6 +986,8 @@ def test_the_parsers_import_no_torch() -> None:
                     "clipcli.checkpoint.source",  # the store it reads through
                     "clipcli.errors",
                     "clipcli.checkpoint.formats._pickle",
+                    "clipcli.checkpoint.formats._pickle_audit",
+                    "clipcli.checkpoint.formats._numpy_pickle",
                     "clipcli.checkpoint.formats._torch_records",
                     "clipcli.checkpoint.formats._torch_names",
                     "clipcli.checkpoint.formats._common",

@@ -51,6 +51,8 @@ def workdir(tmp_path_factory) -> Path:
     )
     dcp = Path("tests", "data", "dcp", "sharded")  # the distributed checkpoint the README shows
     shutil.copytree(ROOT / dcp, root / dcp)
+    inert = Path("tests", "data", "torch", "inert")  # the PyTorch files with placeholders it shows
+    shutil.copytree(ROOT / inert, root / inert)
     return root
 
 

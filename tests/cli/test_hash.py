@@ -13,7 +13,7 @@ import pytest
 
 import clipcli
 from clipcli.checkpoint import engine as _engine
-from tests.helpers import SAMPLES, js, ok, run, write_st
+from tests.helpers import SAMPLES, WRITTEN_BY_TORCH, js, ok, run, write_st
 
 
 def ref_hash(a: np.ndarray) -> str:
@@ -125,10 +125,7 @@ def test_json_parses_strictly(ckpt):
     json.loads(ok("hash", path, "--format", "json").stdout, parse_constant=lambda c: pytest.fail(c))
 
 
-TORCH_DATA = SAMPLES.parent / "tests" / "data"
-SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-TORCH_FILES = (p for p in (TORCH_DATA / "torch").iterdir() if p.is_dir() or p.suffix in SUFFIXES)
-READ_BY_TORCH = [*sorted(TORCH_FILES), TORCH_DATA / "dcp" / "sharded", TORCH_DATA / "dcp" / "single"]
+READ_BY_TORCH = WRITTEN_BY_TORCH
 
 
 @pytest.mark.parametrize("path", READ_BY_TORCH, ids=lambda p: p.name)

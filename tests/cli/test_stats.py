@@ -21,7 +21,7 @@ from clipcli.checkpoint import engine as _engine
 from clipcli.core.stats import CastReadiness, TensorStats, tensor_stats
 from clipcli.report import render
 from clipcli.report.stats import StatsRow, tensor_json
-from tests.helpers import SAMPLES, js, ok, run, write_st
+from tests.helpers import SAMPLES, WRITTEN_BY_TORCH, js, ok, run, write_st
 
 FIELDS = ["name", "dtype", "shape", "count", "min", "max", "max_abs", "argmax_abs", "mean", "std", "zeros"]
 FIELDS += ["subnormals", "nan", "posinf", "neginf", "all_zero", "constant", "exponents", "casts"]
@@ -243,9 +243,7 @@ def test_json_parses_strictly_and_several_checkpoints(ckpt):
     assert [c["format"] for c in out["checkpoints"]] == ["safetensors", "npz"]
 
 
-TORCH_DATA = SAMPLES.parent / "tests" / "data"
-TORCH_FILES = (p for p in (TORCH_DATA / "torch").iterdir() if p.is_dir() or p.suffix in (".pt", ".pth", ".bin"))
-READ_BY_TORCH = [*sorted(TORCH_FILES), TORCH_DATA / "dcp" / "sharded"]
+READ_BY_TORCH = WRITTEN_BY_TORCH
 
 
 @pytest.mark.parametrize("path", READ_BY_TORCH, ids=lambda p: p.name)

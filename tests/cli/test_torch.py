@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from tests.helpers import ROOT, SAMPLES, digest, js, ok, run
+from tests.helpers import ROOT, SAMPLES, digest, js, ok, pickletools_calls, run
 
 DATA = ROOT / "tests" / "data" / "torch"
 CORPUS = sorted(p for p in DATA.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
@@ -158,27 +158,39 @@ def _torch_zip(path: Path, payload: bytes) -> None:
 
 
 def _torch_legacy(path: Path, payload: bytes) -> None:
-    """The legacy format's three leading pickles (magic number, protocol, system info), then the payload."""
+    """The legacy format's three leading pickles (magic number, protocol, system info), the payload, and the
+    list of storage keys (none)."""
     head = [0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}]
-    path.write_bytes(b"".join(pickle.dumps(x, protocol=2) for x in head) + payload)
+    path.write_bytes(b"".join(pickle.dumps(x, protocol=2) for x in head) + payload + pickle.dumps([], protocol=2))
 
 
 @pytest.mark.parametrize("protocol", [2, 4])
-def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path, protocol):
+def test_a_pickle_that_would_run_code_is_read_inert_with_a_warning_and_gated(tmp_path, protocol):
     marker = tmp_path / "ran"
     payload = pickle.dumps({"w": _RunsCode(marker)}, protocol=protocol)
     # protocol 2 reaches Path.touch through getattr; protocol 4 names it (STACK_GLOBAL)
     asked = "builtins.getattr" if protocol == 2 else "pathlib.Path.touch"
+    calls = ", ".join(sorted(pickletools_calls(payload)))
+    assert asked in calls
     for name, write in (("zip.pt", _torch_zip), ("legacy.pt", _torch_legacy)):
         path = tmp_path / name
         write(path, payload)
-        for command in (["inspect"], ["global-norm"], ["convert", "-o", str(tmp_path / "o.safetensors")]):
+        warning = f"clipcli: warning: {path}: torch.load would call {calls} (never called here)\n"
+        for command in (["inspect"], ["global-norm"], ["hash"]):
             result = run(*command[:1], path, *command[1:])
-            assert (result.exit_code, result.stderr) == (
-                3,
-                f"clipcli: error: {path}: the pickle asks for GLOBAL {asked}, which clipcli never runs\n",
+            assert (result.exit_code, result.stderr) == (0, warning)
+            result = run(*command[:1], path, *command[1:], "--fail-unsafe-pickle")
+            assert result.exit_code == 1
+            assert (
+                result.stderr
+                == warning + f"clipcli: error: {path}: torch.load would call {calls} (--fail-unsafe-pickle)\n"
             )
-    assert not marker.exists() and not (tmp_path / "o.safetensors").exists()
+        audit = json.loads(run("inspect", path, "--format", "json").stdout)["checkpoints"][0]["pickle"]
+        assert audit["loads_with_weights_only"] is False
+        assert {(g["name"], g["use"]) for g in audit["globals"] if g["use"] == "call"} == {
+            (name, "call") for name in pickletools_calls(payload)
+        }
+    assert not marker.exists()
 
 
 def test_a_plain_pickle_named_like_a_torch_file_is_called_a_pickle(tmp_path):

@@ -1,16 +1,19 @@
 """A restricted pickle machine: it builds plain data and calls only the constructors clipcli hands it.
 
 The machine reads the opcodes of protocols 0-5 itself; it never calls `pickle.load`, never imports a
-module and never looks a name up. A GLOBAL (or STACK_GLOBAL) goes to the caller's `resolve(module,
-name)`, which answers with one of clipcli's own objects or refuses; REDUCE and NEWOBJ call only a
-`Constructor` that `resolve` returned, BUILD touches only a `Record` or a `PickledDict`, and the opcodes
-that look names up on their own (INST, OBJ, EXT1/2/4) are refused outright. Every length field is
-checked against the bytes that remain before anything is allocated, and every error is one
+module and never looks a name up. A GLOBAL (or STACK_GLOBAL, INST) goes to the caller's `resolve(module,
+name)`, which answers with one of clipcli's own objects; any other global becomes an inert `Placeholder`
+that records its dotted name (or, without `placeholders`, is refused). REDUCE and NEWOBJ call only a
+`Constructor` that `resolve` returned; on a placeholder, REDUCE, NEWOBJ, INST, OBJ, BUILD, SETITEM(S) and
+APPEND(S) record their arguments, state and items in a new placeholder, as data, and call nothing. EXT1/2/4
+(names from a registry) are refused. Every global named and called is counted in an `Audit`. Every length
+field is checked against the bytes that remain before anything is allocated, and every error is one
 `MalformedError` (or `UnsafePickleError`) with a short message.
 """
 
 from __future__ import annotations
 
+import _compat_pickle  # Python 2's module and class names, as pickle.Unpickler maps them for protocols 0-2
 import codecs
 import pickle  # for its opcode constants only: nothing here calls pickle.load or an Unpickler
 import struct
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clipcli.checkpoint.formats._pickle_audit import WEIGHTS_ONLY_OPCODES, Audit
 from clipcli.errors import ClipcliError, MalformedError, UnsafePickleError
 
 MAX_DEPTH = 1000  # deeper nesting is refused: tuples here (hashing them recurses in C), containers when named
@@ -30,8 +34,6 @@ _MAX_NAME = 200  # characters of a global's name quoted in a message
 Resolve = Callable[[str, str], Any]
 PersistentLoad = Callable[[Any], Any]
 
-# Python 2 spellings that Python 3's unpickler maps itself (fix_imports); protocol 2 still writes them.
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 _NESTABLE = (tuple, frozenset)  # the containers that can be hashed, and so nest in dict keys
 
 
@@ -67,6 +69,31 @@ class Record:
         raise UnsafePickleError(f"the pickle sets the state of a {kind(self)} (BUILD), which clipcli never runs")
 
 
+class Placeholder(Record):
+    """A global clipcli does not know, or an object a pickle makes from one: inert data, never called.
+
+    `args` is None for the global itself; an object made by REDUCE, NEWOBJ, INST or OBJ holds its arguments
+    (`args`, `kwargs`), and what BUILD, SETITEM(S) and APPEND(S) gave it (`states`, one per BUILD; `items`;
+    `list_items`).
+    """
+
+    __slots__ = ("args", "items", "kwargs", "list_items", "name", "states")
+
+    def __init__(self, name: str, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None):
+        self.name = name  # the dotted name of the global it is, or that made it
+        self.args = args
+        self.kwargs = kwargs or {}
+        self.states: list[Any] = []
+        self.items: dict[Any, Any] = {}
+        self.list_items: list[Any] = []
+
+    def describe(self) -> str:
+        return f"global {self.name}" if self.args is None else f"{self.name} object"
+
+    def build(self, state: Any) -> None:
+        self.states.append(state)
+
+
 class PickledDict(dict):
     """A dict made by a constructor (OrderedDict); BUILD stores its attributes (e.g. `_metadata`) here."""
 
@@ -100,27 +127,40 @@ def kind(obj: Any) -> str:
     return type(obj).__name__
 
 
-def unpickle(data: bytes, resolve: Resolve, persistent_load: PersistentLoad | None = None) -> Any:
+def unpickle(
+    data: bytes,
+    resolve: Resolve,
+    persistent_load: PersistentLoad | None = None,
+    audit: Audit | None = None,
+    placeholders: bool = False,
+) -> Any:
     """The object one pickle builds; `data` holds that pickle and nothing after it.
 
     Args:
         data: the pickle's bytes.
-        resolve: maps (module, name) of a GLOBAL to one of clipcli's objects, or returns None / raises
-            to refuse it.
+        resolve: maps (module, name) of a GLOBAL to one of clipcli's objects, or returns None (a placeholder
+            with `placeholders`, else refused) or raises to refuse it.
         persistent_load: maps a persistent id (PERSID/BINPERSID) to an object; None refuses them.
+        audit: counts the globals named and called, and what torch's weights-only unpickler refuses.
+        placeholders: a global `resolve` does not know becomes a `Placeholder` instead of an error.
 
     Raises:
         MalformedError: for anything but a well-formed pickle of allowed objects (UnsafePickleError
             when it asks for a global or an opcode that clipcli never runs).
     """
-    value, end = unpickle_at(data, 0, resolve, persistent_load)
+    value, end = unpickle_at(data, 0, resolve, persistent_load, audit, placeholders)
     if end != len(data):
         raise MalformedError(f"{len(data) - end} bytes follow the pickle's STOP opcode")
     return value
 
 
 def unpickle_at(
-    data: bytes, offset: int, resolve: Resolve, persistent_load: PersistentLoad | None = None
+    data: bytes,
+    offset: int,
+    resolve: Resolve,
+    persistent_load: PersistentLoad | None = None,
+    audit: Audit | None = None,
+    placeholders: bool = False,
 ) -> tuple[Any, int]:
     """The object of the pickle that starts at `offset`, and the offset just after its STOP opcode.
 
@@ -128,7 +168,7 @@ def unpickle_at(
         PickleTruncatedError: when `data` ends before the pickle does.
         MalformedError: as `unpickle`.
     """
-    machine = _Machine(bytes(data), offset, resolve, persistent_load)
+    machine = _Machine(bytes(data), offset, resolve, persistent_load, audit or Audit(), placeholders)
     try:
         return machine.run()
     except ClipcliError:
@@ -141,6 +181,16 @@ def unpickle_at(
         ) from e
 
 
+def python3_name(module: str, name: str, proto: int) -> tuple[str, str]:
+    """The global that Python's unpickler looks up for a name in a pickle of protocol `proto`: for protocols
+    0-2, Python 2's spellings (`__builtin__.eval`, `commands.Popen`) are Python 3's (`fix_imports`)."""
+    if proto < 3:
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            return _compat_pickle.NAME_MAPPING[(module, name)]
+        return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+    return module, name
+
+
 def _no_persistent_ids(pid: Any) -> Any:
     raise MalformedError("the pickle refers to a persistent object, which this file never holds")
 
@@ -148,8 +198,19 @@ def _no_persistent_ids(pid: Any) -> Any:
 class _Machine:
     """The unpickling machine: a stack, a stack of MARKs and a memo, driven by one opcode at a time."""
 
-    def __init__(self, data: bytes, offset: int, resolve: Resolve, persistent_load: PersistentLoad | None):
+    def __init__(
+        self,
+        data: bytes,
+        offset: int,
+        resolve: Resolve,
+        persistent_load: PersistentLoad | None,
+        audit: Audit,
+        placeholders: bool,
+    ):
         self.data = data
+        self.proto = 0  # a PROTO opcode sets it (protocols 0 and 1 have none)
+        self.audit = audit
+        self.placeholders = placeholders
         self.pos = offset
         self.op_pos = offset
         self.end = len(data)
@@ -263,7 +324,18 @@ class _Machine:
             pickle.PERSID: lambda: self._persistent(self._line().decode("ascii")),
             pickle.BINPERSID: self._binpersid,
         }
-        return {code[0]: handler for code, handler in table.items()}
+        return {code[0]: self._refused_by_torch(handler, code[0]) for code, handler in table.items()}
+
+    def _refused_by_torch(self, handler: Callable[[], bool | None], op: int) -> Callable[[], bool | None]:
+        """The handler, noting in the audit an opcode that torch's weights-only unpickler does not know."""
+        if op in WEIGHTS_ONLY_OPCODES:
+            return handler
+
+        def noted() -> bool | None:
+            self.audit.refuse()
+            return handler()
+
+        return noted
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -393,6 +465,7 @@ class _Machine:
         version = self._take(1)[0]
         if version > 5:
             raise MalformedError(f"unsupported pickle protocol {version}")
+        self.proto = version
 
     def _frame(self) -> None:
         n = self._count("<Q", 8)
@@ -479,19 +552,21 @@ class _Machine:
     def _buffer(self) -> None:
         raise MalformedError(f"the pickle refers to an out-of-band buffer (at byte {self.op_pos})")
 
+    def _list_target(self) -> list[Any]:
+        target = self._top()
+        if type(target) is list:
+            return target
+        if isinstance(target, Placeholder) and target.args is not None:
+            return target.list_items
+        raise MalformedError(f"{self.op_name()} to a {kind(target)} at byte {self.op_pos}")
+
     def _append(self) -> None:
         value = self._pop()
-        target = self._top()
-        if type(target) is not list:
-            raise MalformedError(f"APPEND to a {kind(target)} at byte {self.op_pos}")
-        target.append(value)
+        self._list_target().append(value)
 
     def _appends(self) -> None:
         items = self._pop_mark()
-        target = self._top()
-        if type(target) is not list:
-            raise MalformedError(f"APPENDS to a {kind(target)} at byte {self.op_pos}")
-        target.extend(items)
+        self._list_target().extend(items)
 
     def _charge_keys(self, keys: Any) -> None:
         colliding = [k for k in keys if type(k) in _MAY_COLLIDE and _may_collide(k)]
@@ -531,6 +606,8 @@ class _Machine:
 
     def _dict_target(self) -> dict[Any, Any]:
         target = self._top()
+        if isinstance(target, Placeholder) and target.args is not None:
+            return target.items
         if not isinstance(target, dict):
             raise MalformedError(f"{self.op_name()} on a {kind(target)} at byte {self.op_pos}")
         return target
@@ -582,10 +659,14 @@ class _Machine:
         self.memo[index] = self.stack[-1]
 
     def _resolved(self, module: str, name: str) -> Any:
-        module = _PY2_MODULES.get(module, module)
+        module, name = python3_name(module, name, self.proto)
+        dotted = f"{module}.{name}"
+        self.audit.named(dotted)
         obj = self.resolve(module, name)
         if obj is None:
-            raise unsafe_global(module, name)
+            if not self.placeholders:
+                raise unsafe_global(module, name)
+            return Placeholder(dotted)
         return obj
 
     def _global(self) -> None:
@@ -600,8 +681,15 @@ class _Machine:
             raise MalformedError(f"STACK_GLOBAL with a {kind(module)} and a {kind(name)} at byte {self.op_pos}")
         self.stack.append(self._resolved(module, name))
 
+    def _made(self, p: Placeholder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An object made from a placeholder: recorded, never made."""
+        self._charge_work((*args, *kwargs.values()), p.name)
+        self.audit.called(p.name)
+        self.stack.append(Placeholder(p.name, args, kwargs))
+
     def _call(self, f: Constructor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._charge_work((*args, *kwargs.values()), f.name)
+        self.audit.called(f.name)
         if f.hashes:
             for arg in args:
                 if type(arg) in (list, tuple, set, frozenset):
@@ -620,22 +708,29 @@ class _Machine:
     def _reduce(self) -> None:
         args = self._pop()
         f = self._pop()
-        if not isinstance(f, Constructor):
+        if not isinstance(f, (Constructor, Placeholder)):
             raise UnsafePickleError(f"the pickle calls a {kind(f)} (REDUCE), which clipcli never runs")
         if type(args) is not tuple:
             raise MalformedError(f"the pickle calls {f.name} with a {kind(args)} of arguments, not a tuple")
-        self._call(f, args, {})
+        if isinstance(f, Placeholder):
+            self._made(f, args, {})
+        else:
+            self._call(f, args, {})
 
     def _newobj(self, with_kwargs: bool) -> None:
         kwargs = self._pop() if with_kwargs else {}
         args = self._pop()
         cls = self._pop()
         op = "NEWOBJ_EX" if with_kwargs else "NEWOBJ"
-        if not isinstance(cls, Constructor) or not cls.newobj:
+        placeholder = isinstance(cls, Placeholder) and cls.args is None
+        if not placeholder and not (isinstance(cls, Constructor) and cls.newobj):
             raise UnsafePickleError(f"the pickle creates a {kind(cls)} ({op}), which clipcli never runs")
         if type(args) is not tuple or type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
             raise MalformedError(f"the pickle creates {cls.name} with malformed arguments")
-        self._call(cls, args, kwargs)
+        if placeholder:
+            self._made(cls, args, kwargs)
+        else:
+            self._call(cls, args, kwargs)
 
     def _build(self) -> None:
         state = self._pop()
@@ -643,6 +738,10 @@ class _Machine:
         self._charge_work((state,), "BUILD")
         if isinstance(target, PickledDict):
             _build_attributes(target, state)
+        elif isinstance(target, Placeholder):
+            if target.args is None:  # an object's own BUILD is part of making it, already counted
+                self.audit.called(target.name)
+            target.build(state)
         elif isinstance(target, Record):
             target.build(state)
         else:
@@ -651,12 +750,19 @@ class _Machine:
     def _inst(self) -> None:
         module = self._line().decode("utf-8")
         name = self._line().decode("utf-8")
-        raise unsafe_global(_PY2_MODULES.get(module, module), name)
+        cls = self._resolved(module, name)
+        self._instantiate(cls, self._pop_mark(), "INST")
 
     def _obj(self) -> None:
         items = self._pop_mark()
-        cls = items[0] if items else None
-        raise UnsafePickleError(f"the pickle calls a {kind(cls)} (OBJ), which clipcli never runs")
+        if not items:
+            raise MalformedError(f"OBJ without a class at byte {self.op_pos}")
+        self._instantiate(items[0], items[1:], "OBJ")
+
+    def _instantiate(self, cls: Any, args: list[Any], op: str) -> None:
+        if not (isinstance(cls, Placeholder) and cls.args is None):
+            raise UnsafePickleError(f"the pickle calls a {kind(cls)} ({op}), which clipcli never runs")
+        self._made(cls, self._tuple(args), {})
 
     def _ext(self, code: int, op: str) -> None:
         raise UnsafePickleError(f"the pickle asks for extension code {code} ({op}), which clipcli never runs")

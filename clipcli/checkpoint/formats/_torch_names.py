@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from clipcli.checkpoint.formats._numpy_pickle import NumpyArray, NumpyDtype
 from clipcli.checkpoint.formats._pickle import (
     MAX_DEPTH,
     Constructor,
+    Placeholder,
     kind,
 )
 from clipcli.checkpoint.formats._torch_records import (
@@ -75,6 +77,17 @@ def flatten(
                 "the pickle's containers share one another (or hold themselves) so often that their names would "
                 f"not end: more tensors and values than its {pickle_size} bytes justify"
             )
+        if isinstance(obj, NumpyArray) and obj.placeholder is not None:
+            obj = obj.placeholder  # an object or structured array: its items as any placeholder's
+        if isinstance(obj, Placeholder):  # listed as a value, and what it holds named below it
+            if name in seen:
+                raise MalformedError("two entries of the pickle flatten to this name", tensor=name)
+            seen.add(name)
+            text = metadata[name] = _render(obj, name)
+            budget -= (len(name) + len(text)) // 4
+            prefix = None if depth == 0 else name
+            pending.extend((prefix, k, v, depth + 1) for k, v in reversed(_placeholder_children(obj)))
+            continue
         children = _children(obj)
         if children is not None and (children or depth == 0):
             prefix = None if depth == 0 else name
@@ -84,7 +97,10 @@ def flatten(
             raise MalformedError("two entries of the pickle flatten to this name", tensor=name)
         seen.add(name)
         budget -= len(name) // 4
-        if isinstance(obj, (Tensor, Storage)):
+        if isinstance(obj, NumpyArray):
+            budget -= _TENSOR_UNITS
+            tensors.append(_numpy_tensor(name, obj))
+        elif isinstance(obj, (Tensor, Storage)):
             budget -= _TENSOR_UNITS
             if isinstance(obj, Storage):  # a storage saved as such: all of it, as a 1-d tensor
                 obj = Tensor(obj, 0, (obj.numel,), (1,))
@@ -102,6 +118,74 @@ def _children(obj: Any) -> list[tuple[Any, Any]] | None:
     if type(obj) in (list, tuple):
         return list(enumerate(obj))
     return None
+
+
+def _placeholder_children(p: Placeholder) -> list[tuple[Any, Any]]:
+    """What a placeholder object holds, named as its attributes are: its state's keys (`__dict__` and slots),
+    its items' keys and indices, and `__args__.N`, `__kwargs__.K`, `__state__` for arguments and a state
+    that `_render` does not show inline."""
+    out: list[tuple[Any, Any]] = []
+    if p.args and _inline_args(p) is None:
+        out += [(f"__args__.{i}", a) for i, a in enumerate(p.args)]
+    out += [(f"__kwargs__.{k}", v) for k, v in p.kwargs.items()]
+    attributes: dict[str, Any] = {}  # each BUILD updates them, as Python's does
+    others = []
+    for state in p.states:  # (__dict__, slots) as pickle's BUILD takes them, or a dict, or another state
+        pair = type(state) is tuple and len(state) == 2 and all(type(x) in (dict, type(None)) for x in state)
+        for part in state if pair else (state,):
+            if isinstance(part, dict) and all(type(k) is str for k in part):
+                attributes.update(part)
+            elif part is not None:
+                others.append(part)
+    out += list(attributes.items())
+    if others:
+        out.append(("__state__", others[0] if len(others) == 1 else others))
+    out += list(p.items.items())
+    out += list(enumerate(p.list_items))
+    return out
+
+
+def _inline_args(p: Placeholder) -> str | None:
+    """A placeholder object's arguments as Python literals (`'a', 1`), or None unless they are a few plain values
+    (placeholders inside are never rendered inline: objects that share one another would render without end;
+    long or many values are named one by one, each charged to `flatten`'s budget)."""
+    if not p.args:
+        return ""
+    left = [_INLINE_ITEMS, _INLINE_CHARS]
+    if not all(_plain(a, 0, left) for a in p.args):
+        return None
+    try:
+        return ", ".join(_literal(a, 1) for a in p.args)
+    except ClipcliError:
+        return None
+
+
+_PLAIN = (str, int, float, bool, type(None), bytes, complex)
+_INLINE_ITEMS = 32  # values an object's arguments may hold and still be shown inline
+_INLINE_CHARS = 512  # characters of their strings and bytes
+
+
+def _plain(value: Any, depth: int, left: list[int]) -> bool:
+    left[0] -= 1
+    t = type(value)
+    if t in (str, bytes):
+        left[1] -= len(value)
+    elif t is int and value.bit_length() > 64:
+        return False
+    if left[0] < 0 or left[1] < 0:
+        return False
+    if t in _PLAIN:
+        return True
+    return t is tuple and depth < _MAX_KEY_DEPTH and all(_plain(v, depth + 1, left) for v in value)
+
+
+def _numpy_tensor(name: str, a: NumpyArray) -> TorchTensor:
+    if a.dtype is None or a.data is None:
+        raise MalformedError("a numpy.ndarray that the pickle never gives its state (BUILD)", tensor=name)
+    shape = a.shape
+    check_elements(shape, name)
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return TorchTensor(name, a.dtype, a.dtype.name, shape, strides, 0, "", 0, len(a.data), False, None, a.data)
 
 
 def _key_text(key: Any) -> str:
@@ -133,6 +217,13 @@ def _literal(value: Any, depth: int) -> str:
         return value.text
     if isinstance(value, Constructor):
         return value.name
+    if isinstance(value, Placeholder):
+        if value.args is None:
+            return value.name
+        args = _inline_args(value)
+        return f"<{value.name}>" if not args else f"<{value.name}({args})>"
+    if isinstance(value, NumpyDtype):
+        return value.text
     if isinstance(value, (Tensor, Storage)):
         raise UnsupportedError("a tensor used as a dict key or set member has no name")
     raise MalformedError(f"a {kind(value)} where a key or value belongs")

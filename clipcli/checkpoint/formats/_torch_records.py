@@ -10,6 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from clipcli.checkpoint.formats._numpy_pickle import numpy_globals
 from clipcli.checkpoint.formats._pickle import (
     PLAIN_GLOBALS,
     Constructor,
@@ -45,6 +46,7 @@ class TorchTensor:
     storage_nbytes: int  # bytes the storage holds
     big_endian: bool  # storage bytes are big-endian
     skip_reason: str | None  # why it is listed but not read (sparse, quantized, meta), else None
+    held: bytes | None = None  # the values themselves, C order, native order (a NumPy array inside the pickle)
 
     @property
     def numel(self) -> int:
@@ -427,10 +429,9 @@ _TENSOR_REBUILDERS = {
 
 def _allowlist() -> dict[str, Any]:
     """Every global a torch.save file may name, resolved to clipcli's own objects."""
-    # plain data that protocol 2 writes through globals, as far as torch.load(weights_only=True) reads it
-    # (it refuses builtins.bytes and builtins.frozenset: empty bytes and frozensets)
-    plain = {"collections.OrderedDict", "builtins.set", "builtins.complex", "builtins.bytearray", "_codecs.encode"}
-    allowed: dict[str, Any] = {c.name: c for c in PLAIN_GLOBALS.values() if c.name in plain}
+    # plain data that protocol 2 writes through globals (the audit says that torch.load(weights_only=True)
+    # refuses builtins.bytes and builtins.frozenset: empty bytes and frozensets)
+    allowed: dict[str, Any] = {c.name: c for c in PLAIN_GLOBALS.values()}
     functions = {
         "torch._utils._rebuild_tensor": _rebuild_tensor,
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
@@ -455,6 +456,7 @@ def _allowlist() -> dict[str, Any]:
         for module in ("torch", "torch.cuda"):  # torch < 1.10 named storages of CUDA tensors torch.cuda.*
             allowed[f"{module}.{cls}"] = StorageType(f"torch.{cls}", _DTYPES[dtype_name])
     allowed["torch.storage.UntypedStorage"] = StorageType("torch.storage.UntypedStorage", None)
+    allowed.update(numpy_globals())
     return allowed
 
 

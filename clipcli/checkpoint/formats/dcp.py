@@ -47,8 +47,9 @@ from typing import Any
 import numpy as np
 
 from clipcli.checkpoint.formats._dcp_layout import layout_error
-from clipcli.checkpoint.formats._dcp_records import DcpObject, resolve
+from clipcli.checkpoint.formats._dcp_records import TRUSTED, DcpObject, resolve
 from clipcli.checkpoint.formats._pickle import kind, unpickle
+from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats.torch import (
     MAX_PICKLE,
     TorchTensor,
@@ -97,10 +98,12 @@ class DcpTensor:
     skip_reason: str | None
 
 
-def open_directory(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
+def open_directory(
+    directory: Path, store: Store = LOCAL, audit: Audit | None = None
+) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a distributed checkpoint, each tensor read in its own C order from its
-    chunks (`Pieces`), never consolidated."""
-    metadata, tensors = read_dcp(directory, store)
+    chunks (`Pieces`), never consolidated; `audit` counts what `.metadata`'s pickle names and calls."""
+    metadata, tensors = read_dcp(directory, store, audit)
     out = []
     for t in tensors:
         first = str(t.chunks[0].file) if t.chunks else str(directory)
@@ -139,7 +142,9 @@ def is_dcp(directory: Path, store: Store = LOCAL) -> bool:
     return len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and any(s in head for s in _SIGNATURES)
 
 
-def read_dcp(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[DcpTensor]]:
+def read_dcp(
+    directory: Path, store: Store = LOCAL, audit: Audit | None = None
+) -> tuple[dict[str, str], list[DcpTensor]]:
     """The non-tensor items (as metadata) and the tensors of a distributed checkpoint, checked.
 
     Reads `.metadata` and, for every chunk and item, the torch.save file's directory and pickle; never
@@ -162,7 +167,7 @@ def read_dcp(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], lis
     """
     directory = Path(directory)
     where = directory / METADATA
-    root = _read_metadata(where, store)
+    root = _read_metadata(where, store, audit or Audit())
     try:
         _check_version(root)
         items = _state_dict_items(root)
@@ -197,7 +202,7 @@ def read_dcp(directory: Path, store: Store = LOCAL) -> tuple[dict[str, str], lis
 # -- .metadata ---------------------------------------------------------------------------------------
 
 
-def _read_metadata(where: Path, store: Store) -> DcpObject:
+def _read_metadata(where: Path, store: Store, audit: Audit) -> DcpObject:
     """The unpickled `.metadata`: DCP's Metadata (or Megatron's subclass)."""
     try:
         with store.open(where) as f:
@@ -210,7 +215,7 @@ def _read_metadata(where: Path, store: Store) -> DcpObject:
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", where) from e
     try:
-        root = unpickle(data, resolve)
+        root = unpickle(data, resolve, audit=audit)
     except ClipcliError as e:
         e.path = str(where)
         raise
@@ -533,7 +538,7 @@ def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
     """
     where = directory / METADATA
     try:
-        root = _read_metadata(where, store)
+        root = _read_metadata(where, store, Audit())
         _check_version(root)
         items = _state_dict_items(root)
         files = _Files(directory, _locations(root), where, store, collect=True)
@@ -573,8 +578,11 @@ def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | Non
 
 
 def _open(directory: Path, store: Store = LOCAL) -> Opened:
-    metadata, tensors = open_directory(directory, store)
-    return Opened(metadata, tensors, sorted({Path(t.file) for t in tensors}), "distcp", sharded=True)
+    audit = Audit()
+    metadata, tensors = open_directory(directory, store, audit)
+    files = sorted({Path(t.file) for t in tensors})
+    checked = audit.result(str(Path(directory) / METADATA), TRUSTED)
+    return Opened(metadata, tensors, files, "distcp", sharded=True, audits=(checked,))
 
 
 FORMAT = Format("distcp", recognises=is_dcp, open=_open, findings=findings)

@@ -272,16 +272,23 @@ def open_path(path: Path, store: Store = LOCAL) -> Opened:
     """
     if store.kind(path) != "directory":
         torch = path.name.endswith(TORCH_INDEX_SUFFIXES)
+        audits: list[Any] = []  # each PyTorch shard's pickle audit
         if torch:
             from clipcli.checkpoint import registry  # here: PyTorch's reader only for PyTorch shards
 
-            open_shard = registry.get("torch").open_file
-            assert open_shard is not None
+            open_torch = registry.get("torch").open
+
+            def open_shard(shard: Path, store: Store) -> tuple[dict[str, str], list[TensorInfo]]:
+                assert open_torch is not None
+                opened = open_torch(shard, store)
+                audits.extend(opened.audits)
+                return opened.metadata, opened.tensors
+
         else:
             open_shard = _safetensors.open_file
         metadata, tensors, files, index = open_index(path, functools.partial(open_shard, store=store), store)
         name, keys = ("sharded-torch", frozenset()) if torch else ("sharded", _safetensors.FORMAT.layout_keys)
-        return Opened(metadata, tensors, files, name, index, path, keys, sharded=True)
+        return Opened(metadata, tensors, files, name, index, path, keys, sharded=True, audits=tuple(audits))
     index = find_index(path, store=store) or find_index(path, TORCH_INDEX_SUFFIXES, store)
     if index is not None and index.name.endswith(TORCH_INDEX_SUFFIXES):
         loose = sorted(p.name for p in _safetensors_in(path, store))

@@ -33,6 +33,7 @@ from clipcli.checkpoint.formats._pickle import (
     unpickle,
     unpickle_at,
 )
+from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats._torch_names import flatten
 from clipcli.checkpoint.formats._torch_records import (
     Storage,
@@ -46,9 +47,9 @@ from clipcli.checkpoint.formats._torch_records import (
     shared_storages,
     view_byte_range,
 )
-from clipcli.checkpoint.plugin import Finding, Format, refusals
+from clipcli.checkpoint.plugin import Finding, Format, Opened, refusals
 from clipcli.checkpoint.source import LOCAL, Store, size_of
-from clipcli.checkpoint.tensor import Piece, Pieces, Span, TensorInfo
+from clipcli.checkpoint.tensor import Held, Piece, Pieces, Span, TensorInfo
 from clipcli.checkpoint.zipmember import crc_findings, zip_data_start
 from clipcli.errors import (
     ClipcliError,
@@ -119,8 +120,15 @@ class _Region:
         pass  # the file belongs to read_torch
 
 
+def open_audited(path: Path, store: Store = LOCAL) -> Opened:
+    """`open_file`, with the pickle audit of the file."""
+    audit = Audit()
+    metadata, tensors = open_file(path, store, audit=audit)
+    return Opened(metadata, tensors, [path], "torch", audits=(audit.result(str(path)),))
+
+
 def open_file(
-    path: Path, store: Store = LOCAL, start: int = 0, end: int | None = None
+    path: Path, store: Store = LOCAL, start: int = 0, end: int | None = None, audit: Audit | None = None
 ) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a torch.save file (or one at bytes [start, end) of a larger file).
 
@@ -135,7 +143,7 @@ def open_file(
             f"({Path(path).parent}) instead",
             path,
         )
-    metadata, tensors = read_torch(path, start, end, store=store)
+    metadata, tensors = read_torch(path, start, end, store=store, audit=audit)
     # a storage is known by its file and key: shards of one checkpoint each have their own keys
     shared = {name: f"{path}:{key}" for key, names in shared_storages(tensors).items() for name in names}
     out = []
@@ -143,7 +151,9 @@ def open_file(
         dtype = t.dtype if t.skip_reason is None else None
         nbytes = t.numel * t.dtype.itemsize if t.dtype is not None else 0
         location: Any = None
-        if dtype is not None:
+        if t.held is not None:
+            location = Held(t.held)
+        elif dtype is not None:
             start_byte, end_byte = view_byte_range(t)
             location = Span(start_byte) if is_contiguous(t) else _strided(t, str(path), start_byte, end_byte)
         stored = dtype.newbyteorder(">") if dtype is not None and t.big_endian and dtype.itemsize > 1 else None
@@ -171,7 +181,12 @@ def _strided(t: TorchTensor, path: str, start: int, end: int) -> Pieces:
 
 
 def read_torch(
-    path: Path, start: int = 0, end: int | None = None, name: str | None = None, store: Store = LOCAL
+    path: Path,
+    start: int = 0,
+    end: int | None = None,
+    name: str | None = None,
+    store: Store = LOCAL,
+    audit: Audit | None = None,
 ) -> tuple[dict[str, str], list[TorchTensor]]:
     """The metadata and tensors of a torch.save file, or of one at bytes [start, end) of a larger file.
 
@@ -188,6 +203,7 @@ def read_torch(
             container is the metadata `{}`, `[]` or `()`. None: the object is the file's, its items
             are named by their keys alone, and a tensor or value saved on its own takes the file's stem.
         store: where the file is read from (by default the file system).
+        audit: counts the globals its pickles name and call (`_pickle_audit`).
 
     Raises:
         MissingFileError: when the file cannot be opened.
@@ -202,7 +218,7 @@ def read_torch(
         raise MissingFileError(e.strerror or str(e), path) from e
     with f:
         try:
-            return _read(f, path, start, end, name)
+            return _read(f, path, start, end, name, audit or Audit())
         except ClipcliError as e:
             if e.path is None:
                 e.path = str(path)
@@ -212,7 +228,7 @@ def read_torch(
 
 
 def _read(
-    f: BinaryIO, path: Path, start: int, end: int | None, name: str | None
+    f: BinaryIO, path: Path, start: int, end: int | None, name: str | None, audit: Audit
 ) -> tuple[dict[str, str], list[TorchTensor]]:
     size = size_of(f)
     stop = size if end is None else end
@@ -222,14 +238,14 @@ def _read(
     head = region.pread(0, 512)
     big_endian = False
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        root, storages, big_endian, pickle_size = _read_zip(region)
+        root, storages, big_endian, pickle_size = _read_zip(region, audit)
     elif len(head) >= 262 and head[257:262] == b"ustar":
         raise UnsupportedError(
             "a torch.save file in the tar format that torch wrote until early 2017 (torch 0.1.x); load it with "
             "torch and save it again"
         )
     else:
-        root, storages, pickle_size = _read_legacy(region, head)
+        root, storages, pickle_size = _read_legacy(region, head, audit)
     return flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, name is not None)
 
 
@@ -249,7 +265,7 @@ _ZIP_ERRORS = (
 )
 
 
-def _read_zip(region: _Region) -> tuple[Any, Storages, bool, int]:
+def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int]:
     try:
         with zipfile.ZipFile(region) as z:  # type: ignore[arg-type]
             infos = z.infolist()
@@ -278,7 +294,7 @@ def _read_zip(region: _Region) -> tuple[Any, Storages, bool, int]:
                 big_endian = text == b"big"
             data = _read_member(z, data_pkl, region, MAX_PICKLE)
             storages = Storages(legacy=False)
-            root = unpickle(data, resolve, storages.persistent_load)
+            root = unpickle(data, resolve, storages.persistent_load, audit, placeholders=True)
             for storage in storages.by_key.values():
                 info = members.get(f"{prefix}data/{storage.key}")
                 if info is None:
@@ -352,18 +368,21 @@ def _stored_data_offset(region: _Region, info: zipfile.ZipInfo, storage: Storage
     return start
 
 
-def _read_legacy(region: _Region, head: bytes) -> tuple[Any, Storages, int]:
+def _read_legacy(region: _Region, head: bytes, audit: Audit) -> tuple[Any, Storages, int]:
     """The object and storages of a legacy file: five pickles, then each storage behind its count."""
     window = min(region.size, _FIRST_WINDOW)
     while True:
         data = region.pread(0, window)
         try:
-            root, storages, keys, end = _legacy_pickles(data, head)
+            attempt = Audit()  # counted again if the window grows
+            root, storages, keys, end = _legacy_pickles(data, head, attempt)
             break
         except PickleTruncatedError:
             if window >= region.size or window >= MAX_PICKLE:
                 raise
             window = min(region.size, window * 8, MAX_PICKLE)
+    audit.uses.update(attempt.uses)
+    audit.weights_only = audit.weights_only and attempt.weights_only
     pos = end
     for key in keys:
         storage = storages.by_key.get(key)
@@ -385,9 +404,9 @@ def _read_legacy(region: _Region, head: bytes) -> tuple[Any, Storages, int]:
     return root, storages, end
 
 
-def _legacy_pickles(data: bytes, head: bytes) -> tuple[Any, Storages, list[str], int]:
+def _legacy_pickles(data: bytes, head: bytes, audit: Audit) -> tuple[Any, Storages, list[str], int]:
     try:  # ~15 bytes, well inside the first window: any failure means another kind of file
-        magic, pos = unpickle_at(data, 0, resolve_nothing)
+        magic, pos = unpickle_at(data, 0, resolve_nothing, audit=audit)
     except MalformedError:
         magic, pos = None, 0
     if type(magic) is not int or magic != MAGIC_NUMBER:
@@ -397,15 +416,15 @@ def _legacy_pickles(data: bytes, head: bytes) -> tuple[Any, Storages, list[str],
         if what.startswith("a Python pickle"):
             what = "a Python pickle, not a torch.save file"
         raise FileTypeError(f"not a PyTorch file: {what}")
-    version, pos = unpickle_at(data, pos, resolve_nothing)
+    version, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
     if version != PROTOCOL_VERSION:
         raise UnsupportedError(f"legacy torch.save protocol version {version!r} (clipcli reads {PROTOCOL_VERSION})")
-    sys_info, pos = unpickle_at(data, pos, resolve_nothing)
+    sys_info, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
     if not isinstance(sys_info, dict):
         raise MalformedError("the legacy file's system information is not a dict")
     storages = Storages(legacy=True)
-    root, pos = unpickle_at(data, pos, resolve, storages.persistent_load)
-    keys, pos = unpickle_at(data, pos, resolve_nothing)
+    root, pos = unpickle_at(data, pos, resolve, storages.persistent_load, audit, placeholders=True)
+    keys, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
     if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
         raise MalformedError("the legacy file's storage keys are not a list of distinct strings")
     return root, storages, keys, pos
@@ -474,6 +493,7 @@ FORMAT = Format(
     sniff=_sniff,
     describe=_describe_head,
     open_file=open_file,
+    open=open_audited,
     plural="PyTorch files",
     findings=findings,
 )

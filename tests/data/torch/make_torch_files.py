@@ -216,6 +216,219 @@ def lightning(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     }
 
 
+# -- inert/: files whose pickles name globals beyond torch's allowlist (issue 24) ------------------------
+
+GONE = "clipcli_gone_project.config"  # a project's module that no longer exists where the files are read
+SENTINEL = "clipcli-pwned"  # what a hostile file's payload creates in the current directory
+
+
+def gone_module():
+    """A module of project-defined classes, registered only while the files are written."""
+    import enum
+    import types
+
+    module = types.ModuleType(GONE)
+
+    class TrainConfig:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    class Color(enum.Enum):
+        RED = 1
+        BLUE = 2
+
+    class Slotted:
+        __slots__ = ("bias", "scale")
+
+        def __init__(self, scale, bias):
+            self.scale, self.bias = scale, bias
+
+    for cls in (TrainConfig, Color, Slotted):
+        cls.__module__ = GONE
+        cls.__qualname__ = cls.__name__
+        setattr(module, cls.__name__, cls)
+    sys.modules[GONE] = module
+    sys.modules[GONE.split(".")[0]] = types.ModuleType(GONE.split(".")[0])
+    return module
+
+
+def namespace() -> dict:
+    import argparse
+
+    torch.manual_seed(6)
+    inner = argparse.Namespace(seed=1, mask=torch.tensor([True, False]))
+    args = argparse.Namespace(lr=3e-4, layers=2, arch="tiny", betas=(0.9, 0.95), init=torch.randn(2), sub=inner)
+    return {"model": {"w": torch.randn(3, 2), "b": torch.randn(2)}, "args": args, "iteration": 10}
+
+
+def objects() -> dict:
+    import datetime
+    import pathlib
+
+    gone = gone_module()
+    torch.manual_seed(7)
+    config = gone.TrainConfig(
+        lr=0.1,
+        head=torch.randn(2, 2),
+        nested=gone.TrainConfig(w=torch.randn(3), depth=2),
+        color=gone.Color.BLUE,
+        root=pathlib.PurePosixPath("/data/run1"),
+        path=pathlib.PosixPath("ckpt/last.pt"),
+        when=datetime.datetime(2026, 1, 2, 3, 4, 5),
+        day=datetime.date(2026, 1, 2),
+        took=datetime.timedelta(seconds=90),
+    )
+    return {
+        "config": config,
+        "slots": gone.Slotted(torch.randn(2), 0.5),
+        "by_color": {gone.Color.RED: "warm"},
+        "weights": {"w": torch.randn(2, 2)},
+    }
+
+
+def numpy_config() -> dict:
+    torch.manual_seed(8)
+    return {
+        "w": torch.randn(2, 3),
+        "config": {
+            "mean": np.array([0.5, 0.25], np.float32),
+            "ids": np.arange(5),
+            "grid": np.arange(6.0).reshape(2, 3) / 7,
+            "fortran": np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)),
+            "big": np.arange(3, dtype=">f8") / 3,
+            "half": np.array([1.5, -2.25], np.float16),
+            "flags": np.array([True, False]),
+            "cplx": np.array([1 + 2j], np.complex64),
+            "empty": np.zeros((0, 3)),
+            "scalar": np.float64(0.125),
+            "count": np.int64(7),
+            "on": np.bool_(True),
+            "f32": np.float32(1.5),
+            "words": np.array(["a", "bc"]),
+            "objects": np.array([{"k": 1}, None], dtype=object),
+        },
+    }
+
+
+def rng_state() -> dict:
+    """What Hugging Face Trainer's rng_state.pth holds."""
+    import random
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+
+
+class Reduces:
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def hostile() -> dict:
+    import functools
+    import importlib
+    import os
+    import posix
+    import subprocess
+
+    code = f"open({SENTINEL!r}, 'w').close()"
+    return {
+        "w": torch.ones(2),
+        "os_system": Reduces(os.system, f"touch {SENTINEL}"),
+        "posix_system": Reduces(posix.system, f"touch {SENTINEL}"),
+        "eval": Reduces(eval, code),
+        "exec": Reduces(exec, code),
+        "popen": Reduces(subprocess.Popen, ["touch", SENTINEL]),
+        "import_module": Reduces(importlib.import_module, "antigravity"),
+        "partial": Reduces(functools.partial(os.system, f"touch {SENTINEL}")),
+    }
+
+
+def walk_objects(obj, stem: str) -> list[tuple[str, object]]:
+    """Tensors and numeric NumPy arrays by clipcli's names: containers as `flatten`, an object's attributes
+    (`__dict__`, slots) below its name."""
+    out = []
+
+    def name_of(k):
+        try:
+            return k if isinstance(k, str) else literal(k, 0)
+        except TypeError:  # an object as a key (an enum member): no tensor lies below a key
+            return "?"
+
+    def walk(name, value):
+        join = (lambda part: part) if name is None else (lambda part: f"{name}.{part}")
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            if not isinstance(value, np.ndarray) or value.dtype.kind in "biufc":
+                out.append((stem if name is None else name, value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(join(name_of(k)), v)
+        elif type(value) in (list, tuple):
+            for i, v in enumerate(value):
+                walk(join(str(i)), v)
+        elif not isinstance(value, type) and hasattr(value, "__dict__") and type(value).__module__ != "pathlib":
+            walk(name, vars(value))
+        elif hasattr(type(value), "__slots__") and type(value).__module__ == GONE:
+            walk(name, {k: getattr(value, k) for k in type(value).__slots__})
+
+    walk(None, obj)
+    return out
+
+
+def expected_inert(obj, stem: str) -> dict:
+    tensors = []
+    for name, value in walk_objects(obj, stem):
+        if isinstance(value, torch.Tensor):
+            data = value.detach().contiguous()
+            raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+            dtype, values = str(value.dtype).removeprefix("torch."), value
+            n = norm(values)
+        else:
+            native = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
+            raw, dtype = native.tobytes(), native.dtype.name
+            n = norm(torch.from_numpy(native.copy()))
+        tensors.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "shape": list(value.shape),
+                "sha256": hashlib.sha256(raw).hexdigest(),
+                "norm": n,
+            }
+        )
+    return {"tensors": tensors}
+
+
+def inert_files() -> None:
+    """inert/: each kind in the zip and legacy formats (NumPy also with protocol 4), its tensors by torch and
+    NumPy beside it; the hostile files' JSON holds what their payloads would call."""
+    folder = HERE / "inert"
+    folder.mkdir(exist_ok=True)
+    kinds = {"namespace": namespace, "objects": objects, "numpy": numpy_config, "rng_state": rng_state}
+    for stem, make in kinds.items():
+        forms = {f"{stem}.pt": {}, f"{stem}_legacy.pt": {"_use_new_zipfile_serialization": False}}
+        if stem == "numpy":
+            forms["numpy_protocol4.pt"] = {"pickle_protocol": 4}
+            forms["numpy_protocol5.pt"] = {"pickle_protocol": 5}
+        for name, options in forms.items():
+            obj = make()
+            torch.save(obj, folder / name, **options)
+            text = json.dumps(expected_inert(obj, Path(name).stem), indent=1, sort_keys=True) + "\n"
+            (folder / (name + ".json")).write_text(text)
+    sys.modules.pop(GONE, None)
+    sys.modules.pop(GONE.split(".")[0], None)
+    for name, options in {"hostile.pt": {}, "hostile_legacy.pt": {"_use_new_zipfile_serialization": False}}.items():
+        torch.save(hostile(), folder / name, **options)
+
+
 # -- what torch reads, flattened by clipcli's rules -------------------------------------------------
 
 
@@ -437,6 +650,8 @@ def main() -> None:
         distributed_checkpoint()
     if not only or "sharded_bin" in only:
         sharded_bin()
+    if not only or "inert" in only:
+        inert_files()
     for path in sorted(HERE.iterdir()):
         if path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
             # torch's weights-only unpickler knows no FRAME opcode (protocol 4+); these files are our own

@@ -14,7 +14,7 @@ import clipcli
 from clipcli.checkpoint import engine as _engine
 from clipcli.commands.verify import read_manifest
 from clipcli.errors import MissingFileError, UsageError
-from tests.helpers import DATA, dcp_checkpoint, write_st
+from tests.helpers import DATA, WRITTEN_BY_TORCH, dcp_checkpoint, write_st
 
 RNG = np.random.default_rng(25)
 TENSORS = {
@@ -190,11 +190,12 @@ def test_nothing_to_verify_raises(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name",
-    sorted(p.name for p in (DATA / "torch").iterdir() if not p.name.endswith((".json", ".py"))),
+    "path",
+    [*WRITTEN_BY_TORCH, *sorted(p for p in (DATA / "torch" / "inert").iterdir() if p.suffix == ".pt")],
+    ids=lambda p: p.name,
 )
-def test_every_file_torch_wrote_verifies_clean(name: str) -> None:
-    report = clipcli.verify_of(DATA / "torch" / name, values=False)
+def test_every_file_torch_wrote_verifies_clean(path: Path) -> None:
+    report = clipcli.verify_of(path, values=False)
     assert report.ok, report.to_text()
 
 

@@ -162,6 +162,32 @@ def _order(ord: float | str) -> float:
     return p
 
 
+def _workers(jobs: int | None, top: int | None = None, depth: int | None = None) -> int:
+    """The workers `jobs` asks for (the cores where None), with `jobs`, `top` and `depth` checked as the command
+    line checks --jobs, --top and --depth.
+
+    Raises:
+        UsageError: for a value that is not an integer >= 1.
+    """
+    from clipcli.commands.passes import workers
+
+    for value, param in ((jobs, "--jobs"), (top, "--top"), (depth, "--depth")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"must be an integer >= 1, got {value!r}", None, param)
+    return workers(jobs)
+
+
+def _sort(sort: str | None, keys: tuple[str, ...]) -> str | None:
+    """`sort` where the command's --sort takes it.
+
+    Raises:
+        UsageError: for another key.
+    """
+    if sort is not None and sort not in keys:
+        raise UsageError(f"sort must be one of {', '.join(keys)}, got {sort!r}", None, "--sort")
+    return sort
+
+
 def inspect_of(
     *paths: PathLike,
     include: str | Iterable[str] = (),
@@ -174,7 +200,8 @@ def inspect_of(
     from clipcli.commands.inspect import InspectOptions, inspect
     from clipcli.report.listing import InspectReport
 
-    options = InspectOptions(_selection(include, exclude), sort, top)
+    _workers(None, top)
+    options = InspectOptions(_selection(include, exclude), _sort(sort, ("name", "size")), top)
     listings = []
     for path in paths:
         with open_checkpoint(path) as ckpt:
@@ -198,11 +225,17 @@ def global_norm_of(
     the one over all of them (`report.combined`) (`report.exceeds(x)`: what `--fail-above x` checks)."""
     from clipcli.checkpoint import open_checkpoint
     from clipcli.commands.global_norm import NormOptions, norm_report
-    from clipcli.commands.passes import workers
 
     if prefix_with_file and not combined:
         raise UsageError("only with combined=True", param="prefix_with_file")
-    options = NormOptions(_selection(include, exclude), _order(ord), depth, sort, top, workers(jobs))
+    options = NormOptions(
+        _selection(include, exclude),
+        _order(ord),
+        depth,
+        _sort(sort, ("name", "norm", "size")),
+        top,
+        _workers(jobs, top, depth),
+    )
     opened = []
     try:
         for path in paths:
@@ -231,10 +264,12 @@ def diff_of(
     `maps`: the --map texts ('state_dict.=')."""
     from clipcli.checkpoint import open_checkpoint
     from clipcli.commands.diff import DiffOptions, diff, parse_map
-    from clipcli.commands.passes import workers
 
     pairs = tuple(parse_map(m) for m in ([maps] if isinstance(maps, str) else maps))
-    options = DiffOptions(_selection(include, exclude), _order(ord), depth, sort, top, workers(jobs), pairs)
+    sort = _sort(sort, ("name", "norm", "size", "diff", "rel"))
+    options = DiffOptions(
+        _selection(include, exclude), _order(ord), depth, sort, top, _workers(jobs, top, depth), pairs
+    )
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         return diff(ca, cb, options)
 
@@ -245,13 +280,12 @@ def _clip(
     """Opens the checkpoint, checks where it goes (None and not `in_place`: a dry run), and clips it with `run`,
     given its options (of type `kind`); `drop_metadata` writes none of the checkpoint's metadata."""
     from clipcli.checkpoint import open_checkpoint
-    from clipcli.commands.passes import workers
     from clipcli.commands.write import output_target
 
     if in_place and output is not None:
         raise UsageError("give either output or in_place, not both", None, "--in-place")
     options["selection"] = _selection(options.pop("include"), options.pop("exclude"))
-    options["jobs"] = workers(options["jobs"])
+    options["jobs"] = _workers(options["jobs"], options.get("top"))
     with open_checkpoint(path) as ckpt:
         if drop_metadata:
             ckpt.metadata = {}
@@ -362,7 +396,6 @@ def convert_of(
     """`clipcli convert PATH -o OUTPUT [--max-shard-size BYTES]`: the same tensors in another format or layout."""
     from clipcli.checkpoint import check_output, open_checkpoint
     from clipcli.commands.convert import ConvertOptions, convert
-    from clipcli.commands.passes import workers
 
     with open_checkpoint(path) as ckpt:
         if drop_metadata:
@@ -370,7 +403,7 @@ def convert_of(
         target = check_output(output, ckpt, resharding=max_shard_size is not None, command="convert")
         options = ConvertOptions(
             target=target, dry_run=dry_run, max_shard=max_shard_size, selection=_selection(include, exclude),
-            sort=sort, top=top, jobs=workers(jobs),
+            sort=_sort(sort, ("name", "size")), top=top, jobs=_workers(jobs, top),
         )  # fmt: skip
         return convert(ckpt, options)
 
@@ -385,10 +418,11 @@ def trajectory_of(
 ) -> TrajectoryReport:
     """`clipcli trajectory PATHS...`: each checkpoint's global norm and hash and how far it moved from the previous
     (`report.identical`: the checkpoints identical to the one before them)."""
-    from clipcli.commands.passes import workers
     from clipcli.commands.trajectory import TrajectoryOptions, trajectory
 
-    options = TrajectoryOptions(_selection(include, exclude), depth, workers(jobs), keep_order)
+    if not paths:
+        raise UsageError("give at least one checkpoint", None, "CKPT")
+    options = TrajectoryOptions(_selection(include, exclude), depth, _workers(jobs, None, depth), keep_order)
     return trajectory(paths, options)
 
 
@@ -404,10 +438,9 @@ def hash_of(
     (equal in every format and layout; see `clipcli.core.hashing`)."""
     from clipcli.checkpoint import open_checkpoint
     from clipcli.commands.hash import HashOptions, hash_checkpoint
-    from clipcli.commands.passes import workers
     from clipcli.report.hash import HashReport
 
-    options = HashOptions(_selection(include, exclude), sort, top, workers(jobs))
+    options = HashOptions(_selection(include, exclude), _sort(sort, ("name", "size")), top, _workers(jobs, top))
     hashed = []
     for path in paths:
         with open_checkpoint(path) as ckpt:
@@ -428,11 +461,10 @@ def verify_of(
     `clipcli hash --format json`) its differences from it, with `values` its NaN, Inf and all-zero floating
     tensors. `report.ok` is True where nothing was found (where the command line exits 0; 1 otherwise), and
     `report.problems` lists what was."""
-    from clipcli.commands.passes import workers
     from clipcli.commands.verify import VerifyOptions, read_manifest, verify
 
     options = VerifyOptions(
-        None if manifest is None else read_manifest(manifest), values, _selection(include, exclude), workers(jobs)
+        None if manifest is None else read_manifest(manifest), values, _selection(include, exclude), _workers(jobs)
     )
     return verify(path, options)
 
@@ -450,14 +482,13 @@ def stats_of(
     """`clipcli stats PATHS...`: each tensor's exact statistics and cast readiness (`clipcli.core.stats`); `cast`
     names the targets (None: per tensor the standard floats narrower than its dtype)."""
     from clipcli.checkpoint import open_checkpoint
-    from clipcli.commands.passes import workers
     from clipcli.commands.stats import SORT_KEYS, StatsOptions, check_casts, stats
     from clipcli.report.stats import StatsReport
 
     if sort is not None and sort not in SORT_KEYS:
         raise UsageError(f"sort must be one of {', '.join(SORT_KEYS)}, got {sort!r}", None, "--sort")
     casts = None if cast is None else check_casts([cast] if isinstance(cast, str) else list(cast), "--cast")
-    options = StatsOptions(_selection(include, exclude), casts, (), depth, sort, top, workers(jobs))
+    options = StatsOptions(_selection(include, exclude), casts, (), depth, sort, top, _workers(jobs, top, depth))
     measured = []
     for path in paths:
         with open_checkpoint(path) as ckpt:
@@ -478,8 +509,8 @@ def failures(
 ) -> list[str]:
     """The command line's gates on a report of `global_norm_of` (`fail_above`, `fail_nonfinite`), `diff_of`
     (`fail_above`, `fail_rel_above`, `fail_different`) or `stats_of` (`fail_max_abs`, `fail_cast_overflow`,
-    `fail_all_zero`, `fail_nonfinite`): why it fails them, one line each, or [] where it passes (where the
-    command line exits 0; it exits 1 with the first line otherwise).
+    `fail_all_zero`, `fail_nonfinite`), and of `verify_of` (no gate: what it found): why it fails them, one line
+    each, or [] where it passes (where the command line exits 0; it exits 1 with the first line otherwise).
 
     Raises:
         UsageError: for a threshold below 0 or NaN, or a gate over a report where nothing was measured (no
@@ -489,7 +520,13 @@ def failures(
     from clipcli.report.diff import DiffReport
     from clipcli.report.norms import NormReport
     from clipcli.report.stats import StatsReport
+    from clipcli.report.verify import VerifyReport
 
+    if isinstance(report, VerifyReport):  # verify's check is the command itself: what it found fails
+        from clipcli.commands.verify import failure
+
+        line = failure(report)
+        return [] if line is None else [line]
     if isinstance(report, StatsReport) and fail_above is None and fail_rel_above is None and not fail_different:
         return _stats_failures(report, fail_max_abs, fail_cast_overflow, fail_all_zero, fail_nonfinite)
     if fail_max_abs is not None or fail_cast_overflow is not None or fail_all_zero:

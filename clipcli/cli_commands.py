@@ -4,6 +4,7 @@
 # as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -330,26 +331,38 @@ def _clip_together(
     if output is None and not (in_place or dry_run):
         opts.usage("missing; give -o DIR (several checkpoints), --in-place or --dry-run", "-o/--output")
     names = [Path(p).name for p in paths]
-    if output is not None and len(set(names)) < len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        opts.usage(f"two checkpoints are named {twice!r}: they cannot both go to {output}/{twice}", "-o/--output")
-    with contextlib.ExitStack() as stack:
-        opened = [stack.enter_context(open_checkpoint(p)) for p in paths]
-        selection = selection_of(include, exclude, *opened)
-        if not prefix_with_file:
-            check_distinct(opened, selection, "clip-global-norm of several checkpoints")
-        if output is not None and not dry_run:
-            Path(output).mkdir(parents=True, exist_ok=True)
-        settings = []
-        for ckpt, name in zip(opened, names, strict=True):
-            if drop_metadata:
-                ckpt.metadata = {}
-            target = output_target(ckpt, None if output is None else str(Path(output) / name), in_place, dry_run)
-            if report_file is not None:
-                check_report(report_file, ckpt, target)
-            settings.append(clip.ClipGlobalNormOptions(output=target, in_place=in_place, selection=selection, **fields))
-        with progress_bar(2 * sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
-            result = clip.clip_global_norms(opened, settings, progress)
+    given = names if output is not None else [os.path.realpath(p) for p in paths]
+    twice = next((n for n in given if given.count(n) > 1), None)
+    if twice is not None:  # into one DIR/<name>, or one file clipped twice in place
+        where = f"they cannot both go to {output}/{twice}" if output is not None else "it would be clipped twice"
+        opts.usage(f"two checkpoints are {twice!r}: {where}", "-o/--output" if output is not None else "--in-place")
+    # A dry run writes nothing (DIR need not exist); a DIR made here is removed again if nothing was written to it.
+    directory = None if output is None or dry_run else Path(output)
+    made = directory is not None and not directory.exists()
+    try:
+        with contextlib.ExitStack() as stack:
+            opened = [stack.enter_context(open_checkpoint(p)) for p in paths]
+            selection = selection_of(include, exclude, *opened)
+            if not prefix_with_file:
+                check_distinct(opened, selection, "clip-global-norm of several checkpoints")
+            if directory is not None:
+                directory.mkdir(parents=True, exist_ok=True)
+            settings = []
+            for ckpt, name in zip(opened, names, strict=True):
+                if drop_metadata:
+                    ckpt.metadata = {}
+                target = output_target(ckpt, None if directory is None else str(directory / name), in_place, dry_run)
+                if report_file is not None:
+                    check_report(report_file, ckpt, target)
+                settings.append(
+                    clip.ClipGlobalNormOptions(output=target, in_place=in_place, selection=selection, **fields)
+                )
+            with progress_bar(2 * sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
+                result = clip.clip_global_norms(opened, settings, progress)
+    except BaseException:
+        if made and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+        raise
     emit(result, fmt, quiet, report_file)
 
 

@@ -214,8 +214,8 @@ def diff(
     selection, p, depth, sort, top = options.selection, options.ord, options.depth, options.sort, options.top
     listed_a = {t.name: t for t in a.tensors if selection.selects(t.name)}
     listed_b = {t.name: t for t in b.tensors if selection.selects(t.name)}
-    if (selection.include or selection.exclude) and not listed_a and not listed_b:
-        selection.check(a)
+    if (selection.include or selection.exclude) and not (listed_a and listed_b):
+        selection.check(b if listed_a else a)  # never silently empty: per checkpoint
     in_b = _names_in_b(listed_a, options.maps)
     names = [n for n in listed_a if in_b[n] in listed_b]
     mismatched, pairs, numeric = [], [], []

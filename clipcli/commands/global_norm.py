@@ -62,6 +62,8 @@ def norm_report(
     """
     if combined and not prefix_with_file:
         check_distinct(ckpts, options.selection)
+    if prefix_with_file:
+        check_prefixes(ckpts)
     measured = []
     for ckpt in ckpts:
         with ckpt:
@@ -110,16 +112,34 @@ def check_distinct(ckpts: Sequence[Checkpoint], selection: Selection, what: str 
     """
     seen: dict[str, str] = {}
     for ckpt in ckpts:
+        here: dict[str, str] = {}
         for t in ckpt.tensors:
             if not selection.selects(t.name):
                 continue
-            if t.name in seen and seen[t.name] != str(ckpt.path):
+            if t.name in seen:  # in an earlier checkpoint: another file, or the same one given twice
                 raise UsageError(
                     f"tensor {t.name!r} is in {seen[t.name]} and in {ckpt.path}: {what} would count it twice "
                     "(give --prefix-with-file if they are different tensors)",
                     param="--combined" if what == "--combined" else None,
                 )
-            seen.setdefault(t.name, str(ckpt.path))
+            here[t.name] = str(ckpt.path)
+        seen.update(here)
+
+
+def check_prefixes(ckpts: Sequence[Checkpoint]) -> None:
+    """Refuses --prefix-with-file over checkpoints of one file name: their rows would carry the same names.
+
+    Raises:
+        UsageError: naming the file name given twice.
+    """
+    names = [file_prefix(c) for c in ckpts]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise UsageError(
+            f"two checkpoints are named {twice.rstrip('/')!r}: --prefix-with-file would give their tensors the same "
+            "names (the same file twice is counted twice)",
+            param="--prefix-with-file",
+        )
 
 
 def combine(parts: Sequence[tuple[CheckpointNorms, NormAccumulator]], p: float) -> Combined:

@@ -79,8 +79,8 @@ def trajectory(
             norms = global_norm(ckpt, norm_options, progress)
             to_previous = to_first = None
             if previous is not None:
-                to_previous = diff(previous, ckpt, diff_options, progress)
-                to_first = to_previous if previous is first else diff(first, ckpt, diff_options, progress)
+                to_previous = _compared(diff(previous, ckpt, diff_options, progress))
+                to_first = to_previous if previous is first else _compared(diff(first, ckpt, diff_options, progress))
             identical = bool(steps) and steps[-1].hash == hashes.hash
             steps.append(_step(path, ckpt, hashes.hash, norms, to_previous, to_first, identical))
             if previous is not None and previous is not first:
@@ -91,6 +91,12 @@ def trajectory(
         for ckpt in {id(c): c for c in (first, previous) if c is not None}.values():
             ckpt.close()
     return TrajectoryReport(steps=tuple(steps), depth=o.depth)
+
+
+def _compared(report: DiffReport) -> DiffReport | None:
+    """A diff that compared tensors; None for one with no floating tensor in both checkpoints (no movement was
+    measured: its ‖Δ‖ of 0 would read as "did not move")."""
+    return report if report.tensors else None
 
 
 def _step(

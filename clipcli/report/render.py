@@ -151,7 +151,7 @@ def _holds(encoding: str, text: str) -> bool:
     return True
 
 
-_ASCII_SYMBOLS = str.maketrans({"‖": "|", "−": "-"})
+_ASCII_SYMBOLS = str.maketrans({"‖": "|", "−": "-", "Δ": "delta"})
 
 
 def symbols(text: str, encoding: str | None = None) -> str:

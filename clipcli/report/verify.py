@@ -19,6 +19,9 @@ class Problem:
     kind: str
     problem: str
 
+    def __post_init__(self) -> None:  # a file as it can be typed back (a URL keeps its //)
+        object.__setattr__(self, "file", shown_path(self.file))
+
 
 @dataclass(frozen=True)
 class Changed:

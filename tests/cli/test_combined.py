@@ -155,7 +155,7 @@ def test_clip_of_several_refuses_clashes_twins_nan_and_a_missing_output(tmp_path
     (tmp_path / "twin").mkdir()
     twin = write_st(tmp_path / "twin" / "a.safetensors", {"v": np.ones(2, F32)})
     same_name = run("clip-global-norm", a, twin, "-o", tmp_path / "o2", "--clip-norm", "1")
-    assert same_name.exit_code == 2 and "two checkpoints are named 'a.safetensors'" in same_name.output
+    assert same_name.exit_code == 2 and "two checkpoints are 'a.safetensors'" in same_name.output
     nan = write_st(tmp_path / "nan.safetensors", {"u": np.array([1.0, np.nan], F32)})
     refused = run("clip-global-norm", a, nan, "-o", tmp_path / "o3", "--clip-norm", "1")
     assert refused.exit_code == 1 and "NaN" in refused.output
@@ -179,3 +179,29 @@ def test_clip_of_several_in_place_and_jobs_give_the_same_bytes(ranks, tmp_path):
     other = tmp_path / "o"
     run("clip-global-norm", *paths, "-o", other, "--clip-norm", "2", "-q")
     assert [(other / p.name).read_bytes() for p in paths] == outs[0]
+
+
+def test_the_same_file_twice_is_never_counted_twice(ranks, tmp_path):
+    # found by a new user: `--combined` of one file given twice counted every tensor twice, exit 0
+    paths, _ = ranks
+    twice = run("global-norm", paths[0], paths[0], "--combined")
+    assert twice.exit_code == 2 and "would count it twice" in twice.output
+    (tmp_path / "copy").mkdir()
+    copy = tmp_path / "copy" / paths[0].name
+    copy.write_bytes(paths[0].read_bytes())
+    prefixed = run("global-norm", paths[0], copy, "--combined", "--prefix-with-file")
+    assert prefixed.exit_code == 2 and f"two checkpoints are named '{paths[0].name}'" in prefixed.output
+    in_place = run("clip-global-norm", paths[1], paths[1], "--in-place", "--clip-norm", "1")
+    assert in_place.exit_code == 2 and "clipped twice" in in_place.output
+
+
+def test_a_dry_run_of_several_needs_no_dir_and_a_refused_clip_leaves_none(ranks, tmp_path):
+    # found by a new user: --dry-run failed on a missing -o DIR (exit 4); a refused clip left an empty DIR
+    paths, _ = ranks
+    dry = run("clip-global-norm", *paths, "-o", tmp_path / "dry", "--clip-norm", "1", "--dry-run", "-q")
+    assert dry.exit_code == 0 and not (tmp_path / "dry").exists()
+    nan = write_st(tmp_path / "nan.safetensors", {"u": np.array([1.0, np.nan], F32)})
+    refused = run("clip-global-norm", paths[0], nan, "-o", tmp_path / "o", "--clip-norm", "1")
+    assert refused.exit_code == 1 and not (tmp_path / "o").exists()
+    empty = run("clip-global-norm", *paths, "-o", tmp_path / "o2", "--clip-norm", "1", "--include", "zzz")
+    assert empty.exit_code == 2 and not (tmp_path / "o2").exists()

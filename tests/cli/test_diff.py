@@ -552,3 +552,12 @@ def test_diff_of_maps_as_the_command_line_does(tmp_path):
     report = clipcli.diff_of(a, b, maps="state_dict.=")
     assert report.to_dict() == diff_json(a, b, "--map", "state_dict.=")
     assert not report.different
+
+
+def test_a_selection_that_leaves_one_side_empty_is_a_usage_error(tmp_path):
+    # found by a new user: --include matching B only compared nothing and --fail-different failed on "only in B"
+    a = write_st(tmp_path / "a.safetensors", {"module.norm.weight": np.ones(2, F32)})
+    b = write_st(tmp_path / "b.safetensors", {"norm.weight": np.ones(2, F32)})
+    done = run("diff", a, b, "--map", "module.=", "--include", "norm*", "--fail-different")
+    assert done.exit_code == 2 and "norm*" in done.output
+    assert run("diff", a, b, "--map", "module.=", "--include", "*norm*", "--fail-different").exit_code == 0

@@ -347,3 +347,12 @@ def test_verify_over_s3_sees_a_stray_shard(s3, files):
 def test_trajectory_over_http_flags_the_same_tensors_as_identical(http):
     report = as_json("trajectory", f"{http.url}/grads.safetensors", f"{http.url}/pytorch_model.bin", "--keep-order")
     assert [c["identical_to_previous"] for c in report["checkpoints"]] == [False, True]
+
+
+def test_verify_names_a_url_as_given_in_its_findings(files, tmp_path):
+    # found by a new user: a finding's file read http:/host/... (one slash)
+    broken = tmp_path / "g.safetensors"
+    broken.write_bytes(files["grads.safetensors"].read_bytes() + b"trailing")
+    with range_server({"g.safetensors": broken}) as server:
+        report = json.loads(run("verify", f"{server.url}/g.safetensors", "--format", "json").stdout)
+    assert [f["file"] for f in report["findings"]] == [f"{server.url}/g.safetensors"]

@@ -177,3 +177,28 @@ def test_an_unreadable_step_is_exit_3(steps, tmp_path):
     broken.write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
     done = run("trajectory", d / "step-20.safetensors", broken)
     assert done.exit_code == 3 and "LFS" in done.output
+
+
+def test_checkpoints_without_a_tensor_in_common_have_no_movement_measured(steps, tmp_path):
+    # found by a new user: two checkpoints sharing no tensor showed |Δ| 0 ("did not move")
+    d, _ = steps
+    other = write_st(tmp_path / "step-50.safetensors", {"head.w": np.ones(3, F32)})
+    report = js("trajectory", d / "step-20.safetensors", other)
+    row = report["checkpoints"][1]
+    assert (row["delta"], row["rel"], row["cosine"], row["cosine_first"]) == (None, None, None, None)
+    assert row["identical_to_previous"] is False
+
+
+def test_the_table_in_ascii_names_delta_in_words(steps):
+    # found by a new user: an ASCII terminal showed the escape |\u0394|
+    import subprocess
+    import sys
+
+    d, _ = steps
+    env = {"PYTHONIOENCODING": "ascii", "NO_COLOR": "1", "PATH": "/usr/bin:/bin"}
+    code = "import sys; from clipcli.cli import main; sys.argv[0] = 'clipcli'; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "trajectory", d / "step-20.safetensors", d / "step-100.safetensors"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and "|delta|" in done.stdout and "\\u" not in done.stdout

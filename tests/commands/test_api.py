@@ -208,3 +208,35 @@ def test_read_gives_arrays_of_their_own_type_and_refuses_what_is_not_read(sample
                 ckpt.read(name)
             with pytest.raises(clipcli.errors.UnsupportedError):
                 next(ckpt.chunks(name))
+
+
+def test_the_library_refuses_what_the_command_line_refuses(tmp_path):
+    # found by a new user: top=0, depth=0, jobs=0 and an unknown sort were taken silently by the *_of functions
+    from clipcli.errors import UsageError
+    from tests.helpers import SAMPLES
+
+    grads = SAMPLES / "grads.safetensors"
+    for call in (
+        lambda: clipcli.stats_of(grads, top=0),
+        lambda: clipcli.stats_of(grads, depth=0),
+        lambda: clipcli.stats_of(grads, jobs=0),
+        lambda: clipcli.global_norm_of(grads, top=-2),
+        lambda: clipcli.hash_of(grads, sort="norm"),
+        lambda: clipcli.inspect_of(grads, sort="norm"),
+        lambda: clipcli.trajectory_of(),
+    ):
+        with pytest.raises(UsageError):
+            call()
+
+
+def test_failures_of_a_verify_report_is_what_the_command_line_exits_with(tmp_path):
+    import shutil
+
+    from tests.helpers import SAMPLES
+
+    d = tmp_path / "sharded"
+    shutil.copytree(SAMPLES / "sharded", d)
+    shutil.copy(d / "model-00001-of-00002.safetensors", d / "model-00003-of-00004.safetensors")
+    report = clipcli.verify_of(d)
+    assert not report.ok and len(clipcli.failures(report)) == 1 and "stray-shard" in clipcli.failures(report)[0]
+    assert clipcli.failures(clipcli.verify_of(SAMPLES / "sharded")) == []

@@ -106,7 +106,7 @@ def test_the_ci_snippet_tells_exploded_gradients_from_a_broken_file(workdir, tmp
 def test_the_trust_ci_recipe_runs_and_catches_a_changed_tensor(workdir, tmp_path):
     # the README's "Can I trust this checkpoint?" CI block, run as it is from the repository's root
     text = README.read_text()
-    snippet = re.search(r"## Can I trust this checkpoint\?.*?```sh\n(.*?)```", text, re.S).group(1)
+    snippet = re.search(r"^## Can I trust this checkpoint\?\n.*?```sh\n(.*?)```", text, re.S | re.M).group(1)
     root = tmp_path / "root"
     shutil.copytree(workdir / "samples", root / "samples")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

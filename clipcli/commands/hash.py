@@ -9,10 +9,9 @@ import numpy as np
 from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transposed
 from clipcli.commands import passes
 from clipcli.commands.passes import NO_PROGRESS, Progress
-from clipcli.commands.select import EVERY, Selection, order
+from clipcli.commands.select import EVERY, Selection, order, partition
 from clipcli.core.hashing import TensorHasher, checkpoint_hash
 from clipcli.report.hash import CheckpointHashes, HashRow
-from clipcli.report.rows import Skipped
 
 
 @dataclass(frozen=True)
@@ -78,14 +77,7 @@ def hash_checkpoint(
         UsageError: when --include/--exclude select no tensor.
     """
     selection = options.selection
-    selection.check(ckpt)
-    selected, skipped = [], []
-    for t in ckpt.tensors:
-        reason = reason_to_skip(t, selection)
-        if reason:
-            skipped.append(Skipped(t.name, t.dtype, reason))
-        else:
-            selected.append(t)
+    selected, skipped = partition(ckpt, selection, lambda t: reason_to_skip(t, selection))
     progress.phase("hashing", sum(t.nbytes for t in selected))
     digests: dict[str, str] = {}
     for part in passes.run_pass(ckpt, selected, HashKernel, options.jobs, progress=progress):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from clipcli.checkpoint import Checkpoint, TensorInfo
@@ -87,10 +87,21 @@ def select(ckpt: Checkpoint, selection: Selection, real_only: bool = False) -> t
     Raises:
         UsageError: when the patterns select no tensor (`Selection.check`).
     """
+    return partition(ckpt, selection, lambda t: selection.reason_to_skip(t, real_only))
+
+
+def partition(
+    ckpt: Checkpoint, selection: Selection, reason_to_skip: Callable[[TensorInfo], str | None]
+) -> tuple[list[TensorInfo], list[Skipped]]:
+    """The tensors a command takes, and those it skips with the reason `reason_to_skip` gives (None: taken).
+
+    Raises:
+        UsageError: when the patterns select no tensor (`Selection.check`).
+    """
     selection.check(ckpt)
     selected, skipped = [], []
     for t in ckpt.tensors:
-        reason = selection.reason_to_skip(t, real_only)
+        reason = reason_to_skip(t)
         if reason:
             skipped.append(Skipped(t.name, t.dtype, reason))
         else:

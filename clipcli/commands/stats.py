@@ -13,12 +13,11 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transpose
 from clipcli.commands import passes
 from clipcli.commands.gates import limit_text
 from clipcli.commands.passes import NO_PROGRESS, Progress
-from clipcli.commands.select import EVERY, Selection
+from clipcli.commands.select import EVERY, Selection, partition
 from clipcli.core.blocks import is_floating
 from clipcli.core.stats import CAST_TARGETS, StatsAccumulator, TensorStats, default_casts
 from clipcli.errors import CheckFailedError, UsageError, printable
 from clipcli.report.render import plural
-from clipcli.report.rows import Skipped
 from clipcli.report.stats import CheckpointStats, StatsReport, StatsRow, group, summarize
 
 CAST_NAMES = tuple(t.name for t in CAST_TARGETS)
@@ -161,14 +160,7 @@ def stats(
         UsageError: when --include/--exclude select no tensor.
     """
     selection = options.selection
-    selection.check(ckpt)
-    selected, skipped = [], []
-    for t in ckpt.tensors:
-        reason = reason_to_skip(t, selection)
-        if reason:
-            skipped.append(Skipped(t.name, t.dtype, reason))
-        else:
-            selected.append(t)
+    selected, skipped = partition(ckpt, selection, lambda t: reason_to_skip(t, selection))
     progress.phase("measuring", sum(t.nbytes for t in selected))
     casts, also = options.casts, options.also_cast
     plain = [t for t in selected if not transposed(t)]

@@ -9,7 +9,7 @@ import numpy as np
 from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transposed
 from clipcli.commands import passes
 from clipcli.commands.passes import NO_PROGRESS, Progress
-from clipcli.commands.select import EVERY, Selection, order, partition
+from clipcli.commands.select import EVERY, Selection, order, partition, without_values
 from clipcli.core.hashing import TensorHasher, checkpoint_hash
 from clipcli.report.hash import CheckpointHashes, HashRow
 
@@ -54,13 +54,7 @@ class HashKernel:
 def reason_to_skip(t: TensorInfo, selection: Selection) -> str | None:
     """Why `hash` leaves a tensor out: not selected, no values (sparse, quantized, meta) or a type carried as
     bytes (strings and records of an .npz), which has no canonical form of values; None to hash it."""
-    if not selection.listed(t):
-        return selection.reason_to_skip(t)
-    if t.skip is not None:
-        return t.skip
-    if t.array_dtype is None:
-        return f"no content hash of {t.dtype} (carried as bytes)"
-    return None
+    return without_values(t, selection, "content hash")
 
 
 def hash_checkpoint(

@@ -90,6 +90,18 @@ def select(ckpt: Checkpoint, selection: Selection, real_only: bool = False) -> t
     return partition(ckpt, selection, lambda t: selection.reason_to_skip(t, real_only))
 
 
+def without_values(t: TensorInfo, selection: Selection, what: str) -> str | None:
+    """Why a command over every value (`what` it gives: "content hash", "statistics") leaves a tensor out: not
+    selected, no values (sparse, quantized, meta) or a type carried as bytes (strings, records); None to take it."""
+    if not selection.listed(t):
+        return selection.reason_to_skip(t)
+    if t.skip is not None:
+        return t.skip
+    if t.array_dtype is None:
+        return f"no {what} of {t.dtype} (carried as bytes)"
+    return None
+
+
 def partition(
     ckpt: Checkpoint, selection: Selection, reason_to_skip: Callable[[TensorInfo], str | None]
 ) -> tuple[list[TensorInfo], list[Skipped]]:

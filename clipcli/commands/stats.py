@@ -13,7 +13,7 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transpose
 from clipcli.commands import passes
 from clipcli.commands.gates import limit_text
 from clipcli.commands.passes import NO_PROGRESS, Progress
-from clipcli.commands.select import EVERY, Selection, partition
+from clipcli.commands.select import EVERY, Selection, partition, without_values
 from clipcli.core.blocks import is_floating
 from clipcli.core.stats import CAST_TARGETS, StatsAccumulator, TensorStats, default_casts
 from clipcli.errors import CheckFailedError, UsageError, printable
@@ -139,13 +139,7 @@ class GatherKernel(StatsKernel):
 def reason_to_skip(t: TensorInfo, selection: Selection) -> str | None:
     """Why `stats` leaves a tensor out: not selected, no values (sparse, quantized, meta) or a type carried as
     bytes (strings, records); None to measure it (floating, complex, integer and bool tensors)."""
-    if not selection.listed(t):
-        return selection.reason_to_skip(t)
-    if t.skip is not None:
-        return t.skip
-    if t.array_dtype is None:
-        return f"no statistics of {t.dtype} (carried as bytes)"
-    return None
+    return without_values(t, selection, "statistics")
 
 
 def stats(

@@ -8,13 +8,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
+import sys
 import warnings
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 from clipcli.checkpoint import open_checkpoint
@@ -22,8 +26,8 @@ from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats._torchscript import NOT_MODULE, code_record, declared_classes
 from clipcli.checkpoint.formats.torch import read_torch
 from clipcli.checkpoint.registry import file_format
-from clipcli.errors import MalformedError, UnsupportedError
-from tests.helpers import DATA, ROOT, pickletools_calls, run, run_bounded, torch_tensor_pickle
+from clipcli.errors import ClipcliError, MalformedError, UnsupportedError
+from tests.helpers import DATA, ROOT, byte_mutations, pickletools_calls, run, run_bounded, torch_tensor_pickle
 
 SCRIPT = DATA / "torch" / "script"
 REFERENCED = sorted(p for p in SCRIPT.iterdir() if p.with_name(p.name + ".json").exists())
@@ -259,6 +263,30 @@ def test_declarations_are_read_from_the_code_as_text() -> None:
         "Linear",
     )
     assert code_record("__torch__.Net") == ("code/__torch__.py", "Net") and code_record("os.system") is None
+
+
+# -- fuzz: mutated archives -------------------------------------------------------------------------------
+
+EXAMPLES = int(os.environ.get("CLIPCLI_FUZZ_EXAMPLES", "120"))
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=5000,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    derandomize=EXAMPLES <= 1000,
+)
+@given(st.data())
+def test_mutated_archives_read_or_are_refused_in_one_line(tmp_path_factory: pytest.TempPathFactory, data) -> None:
+    source = data.draw(st.sampled_from(REFERENCED))
+    path = tmp_path_factory.mktemp("fuzz") / source.name
+    path.write_bytes(data.draw(byte_mutations(source.read_bytes())))
+    modules = set(sys.modules)
+    try:
+        read_torch(path, audit=Audit())
+    except ClipcliError as e:
+        assert "\n" not in str(e)
+    assert not {m for m in set(sys.modules) - modules if not m.startswith(("clipcli.", "encodings."))}
 
 
 # -- against torch itself ------------------------------------------------------------------------------------

@@ -318,3 +318,5 @@ def test_a_module_scripted_now_reads_as_its_state_dict(tmp_path: Path) -> None:
         assert [t.name for t in ckpt.tensors] == list(state)
         for t in ckpt.tensors:
             assert ckpt.read(t).tobytes() == state[t.name].numpy().tobytes(), t.name
+    torch.save(state, tmp_path / "state.pt")  # the same names, values, shapes, dtypes and (no) metadata
+    assert run("diff", path, tmp_path / "state.pt", "--fail-different", "--quiet").exit_code == 0

@@ -343,6 +343,9 @@ def _locate(storages: Storages, folder: str, members: dict[str, zipfile.ZipInfo]
         storage.file_offset = region.start + _stored_data_offset(region, info, storage)
 
 
+_READ_PICKLES = ("data.pkl", "constants.pkl")
+
+
 def _read_script(
     z: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], prefix: str, region: _Region, audit: Audit, root: Any
 ) -> tuple[dict[str, Any], int]:
@@ -361,8 +364,8 @@ def _read_script(
         for storage in storages.by_key.values():
             storage.key = f"constants/{storage.key}"  # apart from data/'s keys: '0' there is another storage
     for name, other in members.items():
-        record = name[len(prefix) :]
-        if record.endswith(".pkl") and "/" not in record and record not in ("data.pkl", "constants.pkl"):
+        record = name.removeprefix(prefix)
+        if record != name and record.endswith(".pkl") and "/" not in record and record not in _READ_PICKLES:
             data = _read_member(z, other, region, MAX_PICKLE)
             unpickle(data, resolve, Storages(legacy=False).persistent_load, audit, placeholders=True)
     classes: dict[str, dict[str, Any]] = {}

@@ -237,6 +237,17 @@ def test_malformed_archives_are_refused(tmp_path: Path, data_pkl: bytes, code: s
     assert result.exit_code == 3 and len(result.stderr.splitlines()) == 1, result.stderr
 
 
+def test_an_older_archive_without_data_pkl_is_refused_saying_so(tmp_path: Path) -> None:
+    path = tmp_path / "old.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("old/version", "1\n")
+        z.writestr("old/model.json", "{}")
+        z.writestr("old/code/old.py", "")
+        z.writestr("old/tensors/0", ONE)
+    with pytest.raises(UnsupportedError, match=r"older TorchScript archive \(model\.json, no data\.pkl\)"):
+        read_torch(path)
+
+
 def test_deeply_nested_modules_are_refused(tmp_path: Path) -> None:
     state = WEIGHT
     for _ in range(300):

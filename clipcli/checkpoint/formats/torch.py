@@ -309,6 +309,11 @@ def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, 
             prefix = _archive_prefix(infos)
             _check_starts_at_zero(infos)
             data_pkl = members.get(prefix + "data.pkl")
+            if data_pkl is None and prefix + "model.json" in members:
+                raise UnsupportedError(
+                    "an older TorchScript archive (model.json, no data.pkl), which clipcli does not read: load it "
+                    "with torch.jit.load and save it again"
+                )
             if data_pkl is None:
                 raise FileTypeError("a zip archive without data.pkl, not a torch.save file")
             script = any(n.startswith(prefix + r) for n in members for r in SCRIPT_RECORDS)

@@ -152,7 +152,7 @@ class _Walk:
             params, buffers = declared
             out = {k: v for k, v in tensors if k in params}
             out.update((k, v) for k, v in tensors if (k in buffers if buffers is not None else k not in params))
-        else:  # not in code/: every tensor attribute (a module of no module class, e.g. made by hand, lists none)
+        else:  # a class code/ does not define: every tensor attribute; a class of code/ that is no module: none
             out = dict(tensors) if declared is None else {}
         for k, v in attributes.items():
             if _is_script_object(v) and k not in out:

@@ -445,15 +445,26 @@ def dcp_two_regions(half: int, bump: bool = False) -> tuple[tuple[int, ...], lis
 
 
 def torchscript_jit(d: Path) -> Path:
-    """A TorchScript archive (torch.jit.save's records: data.pkl not first, code/, constants.pkl) named .jit."""
+    """A TorchScript archive (torch.jit.save's records: data.pkl not first, code/, constants.pkl) named .jit: a
+    module holding a Linear, whose weight is its one parameter."""
     path = d / "model.jit"
+    linear = b"c__torch__.linear\nLinear\n)\x81}(X\x06\x00\x00\x00weight" + torch_tensor_pickle() + b"ub"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("model/data/0", struct.pack("<f", 1.0) * 4)
-        z.writestr("model/data.pkl", b"\x80\x02c__torch__\nLinear\nq\x00)\x81}b.")
-        z.writestr("model/code/__torch__/linear.py", "def forward(self, x): ...", zipfile.ZIP_DEFLATED)
+        z.writestr("model/data.pkl", b"\x80\x02c__torch__\nModel\n)\x81}X\x06\x00\x00\x00linear" + linear + b"sb.")
+        z.writestr("model/code/__torch__/linear.py", _LINEAR_CODE, zipfile.ZIP_DEFLATED)
+        z.writestr("model/code/__torch__.py", "class Model(Module):\n  __parameters__ = []\n", zipfile.ZIP_DEFLATED)
         z.writestr("model/constants.pkl", pickle.dumps((), 2))
         z.writestr("model/version", "8\n")
     return path
+
+
+_LINEAR_CODE = """class Linear(Module):
+  __parameters__ = ["weight", ]
+  __buffers__ = []
+  weight : Tensor
+  def forward(self, x): ...
+"""
 
 
 def digest(path: Path) -> str:
@@ -466,14 +477,15 @@ def digest(path: Path) -> str:
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
 DATA = ROOT / "tests" / "data"
-# Every checkpoint real torch wrote in tests/data (each torch.save file, each DCP directory): inert/ is a folder of
-# files, each read on its own (tests/checkpoint/test_inert_pickle.py)
+# Every checkpoint real torch wrote in tests/data (each torch.save file, each DCP directory, each TorchScript
+# archive of script/): inert/ is a folder of files, each read on its own (tests/checkpoint/test_inert_pickle.py)
 WRITTEN_BY_TORCH = [
     *sorted(
         p
         for p in (DATA / "torch").iterdir()
-        if (p.is_dir() and p.name != "inert") or p.suffix in (".pt", ".pth", ".bin", ".ckpt")
+        if (p.is_dir() and p.name not in ("inert", "script")) or p.suffix in (".pt", ".pth", ".bin", ".ckpt")
     ),
+    *sorted(p for p in (DATA / "torch" / "script").iterdir() if p.suffix in (".pt", ".jit", ".ptl")),
     DATA / "dcp" / "sharded",
     DATA / "dcp" / "single",
 ]

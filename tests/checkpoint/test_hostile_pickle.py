@@ -253,12 +253,13 @@ def test_types_nothing_holds_are_listed_with_their_reason(tmp_path: Path) -> Non
 # -- Torch archives and legacy files under any name -------------------------------------------------------
 
 
-def test_torchscript_under_an_unknown_suffix_is_refused_as_torchscript(tmp_path: Path) -> None:
-    # issue 22 item 21: a .jit whose first record is not data.pkl was read as an .npz (126 byte tensors)
+def test_torchscript_under_an_unknown_suffix_reads_as_torchscript(tmp_path: Path) -> None:
+    # issue 22 item 21: a .jit whose first record is not data.pkl was read as an .npz (126 byte tensors); issue 24
+    # item 3: it reads as the TorchScript archive it is
     path = torchscript_jit(tmp_path)
     assert file_format(path) == "torch"
     r = run_bounded("inspect", path)
-    assert refused(r, "a TorchScript archive written by torch.jit.save"), r
+    assert r.returncode == 0 and "linear.weight" in r.stdout and "float32" in r.stdout, r
     npz = tmp_path / "arrays.data"
     np.savez(npz.with_suffix(".npz"), x=np.ones(2))
     npz.with_suffix(".npz").rename(npz)
@@ -293,7 +294,9 @@ def test_real_torchscript_and_legacy_files_of_every_protocol_under_unknown_names
     with warnings.catch_warnings():  # torch.jit.script is deprecated
         warnings.simplefilter("ignore")
         torch.jit.save(torch.jit.script(torch.nn.Linear(3, 2)), str(tmp_path / "model.jit"))
-    assert refused(run_bounded("inspect", tmp_path / "model.jit", seconds=30), "TorchScript")
+    r = run_bounded("inspect", tmp_path / "model.jit", "--format", "json", seconds=30)
+    assert r.returncode == 0, r
+    assert [t["name"] for t in json.loads(r.stdout)["checkpoints"][0]["tensors"]] == ["weight", "bias"]
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
     for protocol in (1, 2, 4, 5):
         path = tmp_path / f"weights{protocol}.data"

@@ -586,7 +586,7 @@ def _npz_bytes() -> bytes:
     return buf.getvalue()
 
 
-def test_old_tar_format_and_torchscript_are_refused(tmp_path: Path) -> None:
+def test_old_tar_format_is_refused(tmp_path: Path) -> None:
     tar = tmp_path / "old.pt"
     with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:
         for member in ("sys_info", "pickle", "storages", "tensors"):
@@ -595,18 +595,15 @@ def test_old_tar_format_and_torchscript_are_refused(tmp_path: Path) -> None:
             t.addfile(info, io.BytesIO(b"\x80\x02N."))
     with pytest.raises(UnsupportedError, match="tar format"):
         read_torch(tar)
+
+
+def test_torchscript_records_without_data_pkl_are_no_torch_file(tmp_path: Path) -> None:
+    # TorchScript archives read (tests/checkpoint/test_torchscript.py); without data.pkl there is nothing to read
     script = tmp_path / "script.pt"
     with zipfile.ZipFile(script, "w") as z:
         z.writestr("script/constants.pkl", pickle.dumps(()))
         z.writestr("script/code/__torch__.py", "")
-    with pytest.raises(UnsupportedError, match="TorchScript"):
-        read_torch(script)
-    # as torch.jit.save writes one: a data.pkl too, naming its module classes (a review: reported as an
-    # unsafe GLOBAL __torch__.Foo rather than as TorchScript)
-    with zipfile.ZipFile(script, "w") as z:
-        z.writestr("script/data.pkl", b"\x80\x02c__torch__\nFoo\nq\x00)\x81}b.")
-        z.writestr("script/code/__torch__.py", "")
-    with pytest.raises(UnsupportedError, match="TorchScript"):
+    with pytest.raises(FileTypeError, match=r"without data\.pkl"):
         read_torch(script)
 
 
@@ -974,6 +971,7 @@ def test_the_parsers_import_no_torch() -> None:
             "torch.py",
             "_torch_records.py",
             "_torch_names.py",
+            "_torchscript.py",
         ):
             for name in names:
                 top = name.split(".")[0]
@@ -990,6 +988,7 @@ def test_the_parsers_import_no_torch() -> None:
                     "clipcli.checkpoint.formats._numpy_pickle",
                     "clipcli.checkpoint.formats._torch_records",
                     "clipcli.checkpoint.formats._torch_names",
+                    "clipcli.checkpoint.formats._torchscript",
                     "clipcli.checkpoint.formats._common",
                     "clipcli.report",  # printable, to escape what a file names in a skip reason
                 )

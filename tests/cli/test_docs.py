@@ -53,6 +53,8 @@ def workdir(tmp_path_factory) -> Path:
     shutil.copytree(ROOT / dcp, root / dcp)
     inert = Path("tests", "data", "torch", "inert")  # the PyTorch files with placeholders it shows
     shutil.copytree(ROOT / inert, root / inert)
+    script = Path("tests", "data", "torch", "script")  # and the TorchScript archives
+    shutil.copytree(ROOT / script, root / script)
     return root
 
 

@@ -521,7 +521,7 @@ COMMANDS: dict[str, list[str]] = {
 REFUSED = {
     "hash_bomb_legacy", "hash_bomb_zip", "hash_bomb_dcp", "frozenset_dag", "rehashed_keys", "deflated_pickle",
     "fan_out", "lone_distcp", "two_archives", "npy_5000_digits", "npy_hex_digits", "npz_5000_digits",
-    "safetensors_huge_number", "safetensors_huge_offsets", "meta_huge_count", "dcp_overlap", "torchscript_jit",
+    "safetensors_huge_number", "safetensors_huge_offsets", "meta_huge_count", "dcp_overlap",
     "tar_format", "escapes_in_a_dtype", "index_leaving_its_directory", "index_of_missing_shards",
     "git_lfs_pointer", "zip_named_safetensors",
 }  # fmt: skip

@@ -1,10 +1,13 @@
-"""PyTorch `torch.save` files, zip and legacy, read without torch: tensors and where their bytes lie.
+"""PyTorch `torch.save` files (zip and legacy) and TorchScript archives, read without torch: tensors and their bytes.
 
 A `torch.save` file is a pickle whose tensors point at storages stored beside it: members
 `<prefix>/data/<key>` of a zip archive (torch >= 1.6), or, in the legacy format, raw storages after the
 pickle stream, each behind its element count. The pickle runs on clipcli's restricted machine
 (`_pickle`) with an allowlist of the globals torch writes, each resolved to one of the constructors
 of `_torch_records`; they build descriptions of tensors, never tensors. Nothing here reads a tensor's data.
+A TorchScript archive (`torch.jit.save`, any suffix: `.pt`, `.jit`, `.ptl`) is the same zip with a program
+beside the weights, known by its records (`constants.pkl`, `code/`), never by its first one: `_torchscript`
+names its modules' parameters and buffers as `state_dict()` does, and its constants.
 
 Names (`_torch_names`): nested dicts, lists and tuples flatten to dotted names (`state.0.exp_avg`); list and tuple items
 are named by their index; a dict key that is not a string is written as its decimal (ints) or as a
@@ -47,6 +50,13 @@ from clipcli.checkpoint.formats._torch_records import (
     shared_storages,
     view_byte_range,
 )
+from clipcli.checkpoint.formats._torchscript import (
+    SCRIPT_GLOBALS,
+    SCRIPT_RECORDS,
+    code_record,
+    declared_classes,
+    module_state,
+)
 from clipcli.checkpoint.plugin import Finding, Format, Opened, refusals
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Held, Piece, Pieces, Span, TensorInfo
@@ -77,6 +87,7 @@ MAX_PICKLE = 256 << 20
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
 PROTOCOL_VERSION = 1001  # its second
 _FIRST_WINDOW = 1 << 20  # bytes of a legacy file read first to find its pickles (grown 8-fold as needed)
+MAX_CODE = 64 << 20  # bytes of one TorchScript code/ record (the source of a module's classes) clipcli reads
 
 
 # -- the file --------------------------------------------------------------------------------------
@@ -121,29 +132,39 @@ class _Region:
 
 
 def open_audited(path: Path, store: Store = LOCAL) -> Opened:
-    """`open_file`, with the pickle audit of the file."""
+    """`open_file`, with the pickle audit of the file (a TorchScript archive's own classes are no warning)."""
     audit = Audit()
-    metadata, tensors = open_file(path, store, audit=audit)
-    return Opened(metadata, tensors, [path], "torch", audits=(audit.result(str(path)),))
+    metadata, tensors, script = _open(path, store, 0, None, audit)
+    trusted = frozenset(n for n in audit.uses if n.startswith(SCRIPT_GLOBALS)) if script else frozenset()
+    return Opened(metadata, tensors, [path], "torch", audits=(audit.result(str(path), trusted),))
 
 
 def open_file(
     path: Path, store: Store = LOCAL, start: int = 0, end: int | None = None, audit: Audit | None = None
 ) -> tuple[dict[str, str], list[TensorInfo]]:
-    """The metadata and tensors of a torch.save file (or one at bytes [start, end) of a larger file).
+    """The metadata and tensors of a torch.save or torch.jit.save file (or one at bytes [start, end) of a larger
+    file).
 
     A view that is contiguous reads like any tensor (in chunks, by any worker); one with gaps, in another
     order or with values repeated (a slice with a step, a transpose, an expand) is read in order, in chunks,
     from its storage's bytes (`Pieces` of one strided piece). Names on one storage (tied weights) are
     separate tensors that know whom they share it with.
     """
+    metadata, tensors, _ = _open(path, store, start, end, audit or Audit())
+    return metadata, tensors
+
+
+def _open(
+    path: Path, store: Store, start: int, end: int | None, audit: Audit
+) -> tuple[dict[str, str], list[TensorInfo], bool]:
+    """`open_file`, and whether the file is a TorchScript archive."""
     if Path(path).suffix == ".distcp":  # torch.save archives one after another: only the whole directory reads
         raise FileTypeError(
             f"one file of a distributed checkpoint, which reads only as a whole: name its directory "
             f"({Path(path).parent}) instead",
             path,
         )
-    metadata, tensors = read_torch(path, start, end, store=store, audit=audit)
+    metadata, tensors, script = _read_torch(path, start, end, None, store, audit)
     # a storage is known by its file and key: shards of one checkpoint each have their own keys
     shared = {name: f"{path}:{key}" for key, names in shared_storages(tensors).items() for name in names}
     out = []
@@ -171,7 +192,7 @@ def open_file(
                 storage=shared.get(t.name),
             )
         )
-    return metadata, out
+    return metadata, out, script
 
 
 def _strided(t: TorchTensor, path: str, start: int, end: int) -> Pieces:
@@ -192,7 +213,8 @@ def read_torch(
 
     Reads the zip directory (or the legacy file's pickles and storage headers) and the pickle, never
     the tensors' data; every tensor is checked to lie inside its storage, and every storage inside
-    the file.
+    the file. A TorchScript archive (torch.jit.save) gives its modules' parameters and buffers under their
+    `state_dict()` names and its constants (`_torchscript`).
 
     Args:
         path: the file.
@@ -209,8 +231,15 @@ def read_torch(
         MissingFileError: when the file cannot be opened.
         FileTypeError: when it is not a torch.save file.
         MalformedError: when it breaks the format (UnsafePickleError when its pickle asks for code).
-        UnsupportedError: for the tar format of torch 0.1.x, TorchScript archives and compressed storages.
+        UnsupportedError: for the tar format of torch 0.1.x and compressed storages.
     """
+    metadata, tensors, _ = _read_torch(path, start, end, name, store, audit or Audit())
+    return metadata, tensors
+
+
+def _read_torch(
+    path: Path, start: int, end: int | None, name: str | None, store: Store, audit: Audit
+) -> tuple[dict[str, str], list[TorchTensor], bool]:
     path = Path(path)
     try:
         f = store.open(path)
@@ -218,7 +247,7 @@ def read_torch(
         raise MissingFileError(e.strerror or str(e), path) from e
     with f:
         try:
-            return _read(f, path, start, end, name, audit or Audit())
+            return _read(f, path, start, end, name, audit)
         except ClipcliError as e:
             if e.path is None:
                 e.path = str(path)
@@ -229,16 +258,16 @@ def read_torch(
 
 def _read(
     f: BinaryIO, path: Path, start: int, end: int | None, name: str | None, audit: Audit
-) -> tuple[dict[str, str], list[TorchTensor]]:
+) -> tuple[dict[str, str], list[TorchTensor], bool]:
     size = size_of(f)
     stop = size if end is None else end
     if not 0 <= start <= stop <= size:
         raise MalformedError(f"bytes {start}..{stop} are not inside the file ({size} bytes)")
     region = _Region(f, start, stop)
     head = region.pread(0, 512)
-    big_endian = False
+    big_endian = script = False
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        root, storages, big_endian, pickle_size = _read_zip(region, audit)
+        root, storages, big_endian, pickle_size, script = _read_zip(region, audit)
     elif len(head) >= 262 and head[257:262] == b"ustar":
         raise UnsupportedError(
             "a torch.save file in the tar format that torch wrote until early 2017 (torch 0.1.x); load it with "
@@ -246,7 +275,9 @@ def _read(
         )
     else:
         root, storages, pickle_size = _read_legacy(region, head, audit)
-    return flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, name is not None)
+    item = name is not None
+    metadata, tensors = flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, item)
+    return metadata, tensors, script
 
 
 # what zipfile raises for a damaged archive (see formats/npz.py, which reads .npz the same way)
@@ -265,7 +296,8 @@ _ZIP_ERRORS = (
 )
 
 
-def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int]:
+def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, bool]:
+    """The object, storages, byte order and pickle size of a zip archive, and whether it is TorchScript."""
     try:
         with zipfile.ZipFile(region) as z:  # type: ignore[arg-type]
             infos = z.infolist()
@@ -277,14 +309,14 @@ def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int]:
             prefix = _archive_prefix(infos)
             _check_starts_at_zero(infos)
             data_pkl = members.get(prefix + "data.pkl")
-            if prefix + "constants.pkl" in members or any(n.startswith(prefix + "code/") for n in members):
-                # TorchScript's data.pkl names its module classes (__torch__.*): code, not tensors
+            if data_pkl is None and prefix + "model.json" in members:
                 raise UnsupportedError(
-                    "a TorchScript archive written by torch.jit.save (a program and its weights), not a torch.save "
-                    "file; clipcli does not read TorchScript: torch.save the module's state_dict() instead"
+                    "an older TorchScript archive (model.json, no data.pkl), which clipcli does not read: load it "
+                    "with torch.jit.load and save it again"
                 )
             if data_pkl is None:
                 raise FileTypeError("a zip archive without data.pkl, not a torch.save file")
+            script = any(n.startswith(prefix + r) for n in members for r in SCRIPT_RECORDS)
             order = members.get(prefix + "byteorder")
             big_endian = False
             if order is not None:
@@ -295,16 +327,66 @@ def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int]:
             data = _read_member(z, data_pkl, region, MAX_PICKLE)
             storages = Storages(legacy=False)
             root = unpickle(data, resolve, storages.persistent_load, audit, placeholders=True)
-            for storage in storages.by_key.values():
-                info = members.get(f"{prefix}data/{storage.key}")
-                if info is None:
-                    raise MalformedError(f"storage {storage.key} is not in the archive (no {prefix}data/{storage.key})")
-                storage.file_offset = region.start + _stored_data_offset(region, info, storage)
-            return root, storages, big_endian, len(data)
+            _locate(storages, f"{prefix}data/", members, region)
+            size = len(data)
+            if script:
+                root, constants_size = _read_script(z, members, prefix, region, audit, root)
+                size += constants_size
+            return root, storages, big_endian, size, script
     except ClipcliError:
         raise
     except _ZIP_ERRORS as e:
         raise MalformedError(f"not a valid zip archive: truncated or damaged ({_one_line(e)})") from e
+
+
+def _locate(storages: Storages, folder: str, members: dict[str, zipfile.ZipInfo], region: _Region) -> None:
+    """Finds each storage's bytes: the stored record `folder + key`."""
+    for storage in storages.by_key.values():
+        info = members.get(folder + storage.key)
+        if info is None:
+            raise MalformedError(f"storage {storage.key} is not in the archive (no {folder}{storage.key})")
+        storage.file_offset = region.start + _stored_data_offset(region, info, storage)
+
+
+_READ_PICKLES = ("data.pkl", "constants.pkl")
+
+
+def _read_script(
+    z: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], prefix: str, region: _Region, audit: Audit, root: Any
+) -> tuple[dict[str, Any], int]:
+    """A TorchScript archive's entries (`_torchscript`) from its data.pkl's object, and the size of its
+    constants.pkl; its other pickles (a mobile archive's bytecode.pkl, traced_inputs.pkl) are audited."""
+    constants: Any = ()
+    size = 0
+    info = members.get(prefix + "constants.pkl")
+    if info is not None:
+        audit.refuse()  # torch.load(weights_only=True) refuses every archive that holds a constants.pkl
+        data = _read_member(z, info, region, MAX_PICKLE)
+        size = len(data)
+        storages = Storages(legacy=False)
+        constants = unpickle(data, resolve, storages.persistent_load, audit, placeholders=True)
+        _locate(storages, f"{prefix}constants/", members, region)
+        for storage in storages.by_key.values():
+            storage.key = f"constants/{storage.key}"  # apart from data/'s keys: '0' there is another storage
+    for name, other in members.items():
+        record = name.removeprefix(prefix)
+        if record != name and record.endswith(".pkl") and "/" not in record and record not in _READ_PICKLES:
+            data = _read_member(z, other, region, MAX_PICKLE)
+            unpickle(data, resolve, Storages(legacy=False).persistent_load, audit, placeholders=True)
+    classes: dict[str, dict[str, Any]] = {}
+
+    def lookup(qualified: str) -> Any:
+        where = code_record(qualified)
+        if where is None:
+            return None
+        record, cls = where
+        if record not in classes:
+            code = members.get(prefix + record)
+            text = b"" if code is None else _read_member(z, code, region, MAX_CODE, compressed=True)
+            classes[record] = declared_classes(text.decode("utf-8", "replace"), record)
+        return classes[record].get(cls)
+
+    return module_state(root, lookup, constants), size
 
 
 def _archive_prefix(infos: list[zipfile.ZipInfo]) -> str:
@@ -329,9 +411,12 @@ def _check_starts_at_zero(infos: list[zipfile.ZipInfo]) -> None:
         )
 
 
-def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, region: _Region, limit: int) -> bytes:
-    # torch stores every record; a compressed pickle would build objects far beyond the bytes in the file
-    if info.compress_type != zipfile.ZIP_STORED:
+def _read_member(
+    z: zipfile.ZipFile, info: zipfile.ZipInfo, region: _Region, limit: int, compressed: bool = False
+) -> bytes:
+    # torch stores every record but TorchScript's code; a compressed pickle would build objects far beyond the
+    # bytes in the file
+    if info.compress_type != zipfile.ZIP_STORED and not compressed:
         raise UnsupportedError(
             f"record {info.filename} is compressed (method {info.compress_type}); torch never compresses it, "
             "and clipcli reads it only stored"
@@ -477,6 +562,11 @@ def _describe_head(head: bytes) -> str | None:
         return f"a PyTorch {kind} checkpoint (name it .pt, .pth or .bin)"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a Python pickle; clipcli never unpickles"
+    if head[4:8] == b"PTMF":  # the file identifier of torch's mobile flatbuffer schema
+        return (
+            "a PyTorch Mobile flatbuffer (torch.jit's _save_for_lite_interpreter with _use_flatbuffer=True), which "
+            "clipcli does not read: save the module with torch.jit.save instead"
+        )
     return None
 
 

@@ -5,7 +5,7 @@ Run with an interpreter that has torch (the tests never need it):
     /work/torchenv/bin/python tests/data/torch/make_torch_files.py [FILE ...]
 
 Naming files writes only those (`distcp`: the distributed checkpoint; `sharded_bin`: Hugging Face PyTorch
-shards, which needs huggingface_hub too); the JSON beside every file is
+shards, which needs huggingface_hub too; `inert`, `script`: those folders); the JSON beside every file is
 rewritten either way. The zip files come out the same byte for byte each time; the legacy ones and the
 distributed checkpoint do not (storage keys are memory addresses; the metadata holds a save id).
 
@@ -27,6 +27,7 @@ import math
 import pickle
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -429,6 +430,114 @@ def inert_files() -> None:
         torch.save(hostile(), folder / name, **options)
 
 
+# -- script/: TorchScript archives (torch.jit.save; issue 24 item 3) ------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """A module whose attributes are of every kind: parameters, buffers (BatchNorm's running stats, a bfloat16
+    and a non-persistent one), a Linear without bias, a plain tensor attribute, a dict, a list, a flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.head = torch.nn.Linear(3, 2, bias=False)
+        self.register_buffer("scale", torch.linspace(0.5, 2, 3).to(torch.bfloat16))
+        self.register_buffer("steps", torch.arange(4, dtype=torch.int32))
+        self.register_buffer("cache", torch.ones(2), persistent=False)  # TorchScript keeps it in state_dict()
+        self.offset = torch.tensor([0.25, -0.5])  # neither parameter nor buffer: not in state_dict()
+        self.sizes: dict[str, int] = {"in": 4, "out": 2}
+        self.widths: list[int] = [4, 3, 2]
+        self.verbose = False
+
+    def forward(self, x):
+        y = self.norm(self.proj(x)) * self.scale.float()
+        return self.head(y) + self.offset + self.cache.sum() + self.steps.sum()
+
+
+class Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.ModuleDict({"first": Block(), "second": Block()})
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.gain = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.encoder["second"](x) * self.gain + self.encoder["first"](x)
+
+
+class Traced(torch.nn.Module):
+    """Traced, its tensor attribute and the tensors its forward makes become constants (CONSTANTS.c0, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.bias2 = torch.randn(3)
+
+    def forward(self, x):
+        return self.lin(x) * self.bias2 + torch.arange(3.0)
+
+
+class Shapes(pickle.Unpickler):
+    """The shape of a pickle this script just wrote: every global a function giving None, no storage loaded."""
+
+    def find_class(self, module, name):
+        return lambda *args: None
+
+    def persistent_load(self, pid):
+        return None
+
+
+class TiedScript(Tied):
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def script_reference(path: Path) -> dict:
+    """What torch.jit.load reads: its state_dict(), the constants the root's code uses as CONSTANTS.cN (the
+    archive's whole table: checked), and torch.load(weights_only=True)'s verdict."""
+    loaded = torch.jit.load(path)
+    _, constants = loaded.code_with_constants
+    table = dict(constants.const_mapping)
+    with zipfile.ZipFile(path) as z:
+        records = [n.split("/", 1)[1] for n in z.namelist()]
+        held = Shapes(io.BytesIO(z.read(next(n for n in z.namelist() if n.endswith("/constants.pkl"))))).load()
+    assert len(held) == len(table) if "constants.pkl" in records else not table, (path, len(table))
+    obj = dict(loaded.state_dict())
+    obj.update({f"CONSTANTS.{k}": v for k, v in table.items()})
+    result = expected(obj, path.stem)
+    try:
+        torch.load(path, weights_only=True)
+        result["loads_with_weights_only"] = True
+    except RuntimeError:
+        result["loads_with_weights_only"] = False
+    result["torch_load"] = "torch.jit.load"
+    return result
+
+
+def script_files() -> None:
+    """script/: TorchScript archives under the names they go by (.pt, .jit, .ptl), with what torch.jit.load
+    reads from each; and a mobile flatbuffer (.ff), which clipcli refuses."""
+    folder = HERE / "script"
+    folder.mkdir(exist_ok=True)
+    torch.manual_seed(11)
+    sequential = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    torch.jit.save(torch.jit.script(sequential), folder / "sequential.pt")
+    nested = Nested()
+    for block in nested.encoder.values():  # running statistics that moved
+        block.norm(torch.randn(6, 3))
+    torch.jit.save(torch.jit.script(nested), folder / "nested.pt")
+    traced = torch.jit.trace(Traced(), torch.randn(2, 3))
+    torch.jit.save(traced, folder / "traced.jit")
+    tied = torch.jit.script(TiedScript())
+    tied._save_for_lite_interpreter(str(folder / "tied.ptl"))  # a zip: bytecode.pkl beside the same records
+    tied._save_for_lite_interpreter(str(folder / "mobile.ff"), _use_flatbuffer=True)
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".pt", ".jit", ".ptl"):
+            text = json.dumps(script_reference(path), indent=1, sort_keys=True) + "\n"
+            path.with_name(path.name + ".json").write_text(text)
+
+
 # -- what torch reads, flattened by clipcli's rules -------------------------------------------------
 
 
@@ -652,6 +761,8 @@ def main() -> None:
         sharded_bin()
     if not only or "inert" in only:
         inert_files()
+    if not only or "script" in only:
+        script_files()
     for path in sorted(HERE.iterdir()):
         if path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
             # torch's weights-only unpickler knows no FRAME opcode (protocol 4+); these files are our own

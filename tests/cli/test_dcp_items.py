@@ -9,31 +9,25 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 
-from tests.helpers import DATA, PickleCall, PickleGlobal, dcp_checkpoint, js, ok, pickletools_calls, run
+from tests.helpers import (
+    DATA,
+    PickleCall,
+    PickleGlobal,
+    dcp_checkpoint,
+    distcp_pickles,
+    js,
+    ok,
+    pickletools_calls,
+    run,
+)
 
 ITEMS = DATA / "dcp" / "items"
 EXPECTED = json.loads((DATA / "dcp" / "items.json").read_text())
-
-
-def embedded_pickles(distcp: Path) -> list[bytes]:
-    """The data.pkl of every torch.save archive laid one after another in a .distcp file, found by their local
-    zip headers (torch writes each stored, its sizes in a data descriptor): each runs to its STOP opcode."""
-    data = distcp.read_bytes()
-    out = []
-    for m in re.finditer(b"PK\x03\x04", data):
-        name_length, extra_length = struct.unpack("<HH", data[m.start() + 26 : m.start() + 30])
-        name = data[m.start() + 30 : m.start() + 30 + name_length]
-        if name.endswith(b"/data.pkl"):
-            out.append(data[m.start() + 30 + name_length + extra_length :])
-    return out
 
 
 def test_every_item_is_listed_and_the_tensors_are_torchs():
@@ -64,9 +58,9 @@ def test_a_numpy_array_inside_an_item_converts_byte_for_byte(tmp_path):
 
 def test_the_audit_covers_the_items_pickles_exactly_and_warns_once_for_the_file_that_holds_them():
     distcp = ITEMS / "__0_0.distcp"
-    pickles = embedded_pickles(distcp)
-    assert len(pickles) >= 8  # an archive per item and per tensor
-    calls = set().union(pickletools_calls((ITEMS / ".metadata").read_bytes()), *map(pickletools_calls, pickles))
+    pickles = distcp_pickles(ITEMS)
+    assert len(pickles) >= 9  # .metadata, and an archive per item and per tensor
+    calls = set().union(*map(pickletools_calls, pickles))
     result = run("inspect", ITEMS, "--format", "json")
     audit = json.loads(result.stdout)["checkpoints"][0]["pickle"]
     assert {g["name"] for g in audit["globals"] if g["use"] == "call"} == calls

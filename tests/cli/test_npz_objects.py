@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import clipcli
 from tests.helpers import DATA, fnorm, js, ok, pickletools_calls, run
 
 NPZ = DATA / "npz"
@@ -63,6 +64,15 @@ def test_object_members_are_listed_with_numpys_shapes_and_the_audit_of_their_pic
     audit = listing["pickle"]
     assert {g["name"] for g in audit["globals"] if g["use"] == "call"} == calls
     assert audit["loads_with_weights_only"] is False  # torch's allowlist holds no NumPy global
+
+
+def test_the_library_reads_an_object_member_as_its_pickles_bytes():
+    # gh: clipcli.open(...).read of an object member raised NumPy's "cannot create an OBJECT array from memory buffer"
+    path = NPZ / "objects_deflate.npz"
+    with clipcli.open(path) as ckpt:
+        got = ckpt.read("cfg")
+        assert ckpt.pickle["globals"]
+    assert got.dtype == np.uint8 and got.tobytes() == header_and_pickle(members(path)["cfg.npy"][0])[1]
 
 
 def test_an_npz_without_object_members_has_no_audit(tmp_path):

@@ -307,8 +307,10 @@ def numpy_tensor(
 
 
 def carried_dtype(t: TensorInfo) -> np.dtype | None:
-    """The NumPy type of a type carried as bytes (strings, records), from the .npy header it keeps, if any."""
-    return read_npy_header(io.BytesIO(t.prefix)).dtype if t.prefix else None
+    """The NumPy type of a type carried as bytes (strings, records), from the .npy header it keeps, if any; None
+    for an object array, whose bytes are a pickle that is never loaded."""
+    header = read_npy_header(io.BytesIO(t.prefix)) if t.prefix else None
+    return None if header is None or header.pickled else header.dtype
 
 
 def byte_layout(t: TensorInfo) -> tuple[str, bool]:

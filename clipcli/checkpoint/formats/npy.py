@@ -256,10 +256,10 @@ def header(tensors: list[TensorInfo], metadata: dict[str, str]) -> bytes:
     return t.prefix or npy_header(t.array_dtype, t.shape, t.fortran_order)
 
 
-def audit_pickle(f: BinaryIO, size: int, audit: Any) -> None:
+def audit_pickle(f: BinaryIO, size: int, audit: Audit) -> None:
     """Runs the pickle of an object array (`size` bytes from the current position of `f`) through clipcli's
-    pickle machine, never NumPy's or Python's: what it names and would call is counted in `audit`
-    (`_pickle_audit.Audit`); nothing is imported or called, and the array stays bytes carried whole.
+    pickle machine, never NumPy's or Python's: what it names and would call is counted in `audit`; nothing
+    is imported or called, and the array stays bytes carried whole.
 
     Bytes after the pickle's STOP are left alone, as `np.load(allow_pickle=True)` leaves them.
 

@@ -65,6 +65,7 @@ def open_file(path: Path, store: Store = LOCAL, audit: Audit | None = None) -> t
         raise FileTypeError(f"not an .npz file: {describe(head)}", path)
     if b"data.pkl" in head:
         raise FileTypeError(f"not an .npz file: {describe(head)}", path)
+    audit = Audit() if audit is None else audit
     try:
         with store.open(path) as archive, zipfile.ZipFile(archive) as z, store.open(path) as raw:
             tensors, seen = [], set()
@@ -76,7 +77,7 @@ def open_file(path: Path, store: Store = LOCAL, audit: Audit | None = None) -> t
                     raise MalformedError("two members hold this tensor", path, name)
                 seen.add(name)
                 try:
-                    tensors.append(_member_tensor(path, z, raw, member, name, audit or Audit()))
+                    tensors.append(_member_tensor(path, z, raw, member, name, audit))
                 except ClipcliError as e:
                     e.tensor = e.tensor or name
                     raise

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 import clipcli
-from tests.helpers import DATA, fnorm, js, ok, pickletools_calls, run
+from tests.helpers import DATA, byte_mutations, fnorm, js, ok, pickletools_calls, run
 
 NPZ = DATA / "npz"
 OBJECTS = ["objects.npz", "objects_deflate.npz", "objects_bzip2.npz", "objects_lzma.npz"]
@@ -165,3 +168,26 @@ def test_a_hostile_object_member_is_audited_warned_and_gated_and_nothing_runs(tm
     report = js("global-norm", HOSTILE)["checkpoints"][0]
     assert report["global_norm"] == pytest.approx(fnorm([np.load(HOSTILE, allow_pickle=False)["w"]]), rel=1e-15)
     assert not (tmp_path / "PWNED").exists()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_mutated_object_members_are_read_or_refused_in_one_line_and_nothing_is_imported(data, tmp_path_factory):
+    # the hostile members' pickles and a real object array's, mutated: exit 0 (with or without a warning) or 3
+    raw = members(HOSTILE)
+    name = data.draw(st.sampled_from(["system.npy", "eval.npy"]))
+    member = raw[name][0]
+    header_length = len(member) - len(header_and_pickle(member)[1])
+    mutated = member[:header_length] + data.draw(byte_mutations(member[header_length:]))
+    path = tmp_path_factory.mktemp("fuzz") / "m.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("w.npy", raw["w.npy"][0])
+        z.writestr(name, mutated)
+    run("inspect", HOSTILE, "--format", "json")  # what reading any object member imports, imported
+    modules = set(sys.modules)
+    result = run("inspect", path, "--format", "json")
+    assert result.exit_code in (0, 3), result.output
+    lines = result.stderr.splitlines()
+    assert all(line.startswith(("clipcli: warning: ", "clipcli: error: ")) for line in lines) and len(lines) <= 1
+    assert set(sys.modules) == modules  # nothing a pickle names is imported
+    assert not Path("PWNED").exists()

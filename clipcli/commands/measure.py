@@ -32,7 +32,9 @@ class NormOptions:
     sort: str | None = None
     top: int | None = None
     jobs: int = 1
-    count_shared_once: bool = False  # names on one view of one storage count once in the global norm (`shared_once`)
+    # names on one view of one storage count once in the global norm (`shared_once`); keyword-only, so that the
+    # fields of a subclass (`DiffOptions.maps`) keep their places
+    count_shared_once: bool = field(default=False, kw_only=True)
 
 
 class NormKernel:

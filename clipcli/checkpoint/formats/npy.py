@@ -29,6 +29,7 @@ _ALIGN = 64
 _GROWTH_DIGITS = 21
 _MAX_BYTES = MAX_COUNT  # an array's size in bytes must fit NumPy's intp
 _MAX_DIGITS = len(str(MAX_COUNT))  # of a decimal number in a header
+MAX_PICKLE = 256 << 20  # bytes of an object array's pickle read, as of a torch.save file's (formats/torch.py)
 
 
 class NpyHeader(NamedTuple):
@@ -269,7 +270,6 @@ def audit_pickle(f: BinaryIO, size: int, audit: Audit) -> None:
     """
     from clipcli.checkpoint.formats._numpy_pickle import numpy_globals
     from clipcli.checkpoint.formats._pickle import unpickle_at
-    from clipcli.checkpoint.formats.torch import MAX_PICKLE
 
     if size > MAX_PICKLE:
         raise UnsupportedError(f"an object array pickled in {size:,} bytes, more than clipcli reads ({MAX_PICKLE:,})")

@@ -220,6 +220,7 @@ def global_norm_of(
     jobs: int | None = None,
     combined: bool = False,
     prefix_with_file: bool = False,
+    count_shared_once: bool = False,
 ) -> NormReport:
     """`clipcli global-norm PATHS...`: per-tensor norms and each checkpoint's global norm, and with `combined`
     the one over all of them (`report.combined`) (`report.exceeds(x)`: what `--fail-above x` checks)."""
@@ -235,6 +236,7 @@ def global_norm_of(
         _sort(sort, ("name", "norm", "size")),
         top,
         _workers(jobs, top, depth),
+        count_shared_once=count_shared_once,
     )
     opened = []
     try:
@@ -359,6 +361,7 @@ def clip_global_norm_of(
     sort: str | None = None,
     top: int | None = None,
     jobs: int | None = None,
+    count_shared_once: bool = False,
 ) -> ClipGlobalNormReport:
     """`clipcli clip-global-norm PATH -o OUTPUT --clip-norm N [--use-norm G]` (no output and not `in_place`:
     a dry run)."""
@@ -371,7 +374,7 @@ def clip_global_norm_of(
         path, clip.clip_global_norm, clip.ClipGlobalNormOptions, output, in_place, drop_metadata,
         clip_norm=float(clip_norm),
         use_norm=None if use_norm is None else float(use_norm), allow_nonfinite=allow_nonfinite, include=include,
-        exclude=exclude, sort=sort, top=top, jobs=jobs,
+        exclude=exclude, sort=sort, top=top, jobs=jobs, count_shared_once=count_shared_once,
     )  # fmt: skip
 
 

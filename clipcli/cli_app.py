@@ -108,7 +108,7 @@ def _pickles_vetted(unsafe: list[str]) -> Iterator[None]:
         for audit in ckpt.pickle_audits:
             if audit.unsafe_calls and audit.file not in seen:
                 seen.add(audit.file)
-                line = f"{audit.file}: torch.load would call {', '.join(audit.unsafe_calls)}"
+                line = f"{audit.file}: {audit.loader} would call {', '.join(audit.unsafe_calls)}"
                 unsafe.append(line)
                 typer.echo(f"clipcli: warning: {printable(line)} (never called here)", err=True)
 

@@ -69,6 +69,7 @@ def global_norm(
     fail_nonfinite: opts.FailNonfinite = False,
     combined: opts.CombinedOpt = False,
     prefix_with_file: opts.PrefixWithFile = False,
+    count_shared_once: opts.CountSharedOnce = False,
     jobs: opts.Jobs = None,
     include: opts.Include = None,
     exclude: opts.Exclude = None,
@@ -96,7 +97,9 @@ def global_norm(
             opts.usage("only with --combined", "--prefix-with-file")
         opened = [open_checkpoint(path) for path in checkpoints]
         selection = selection_of(include, exclude, *opened)
-        options = command.NormOptions(selection, p, depth, sort and sort.value, top, worker_count(jobs))
+        options = command.NormOptions(
+            selection, p, depth, sort and sort.value, top, worker_count(jobs), count_shared_once=count_shared_once
+        )
         with progress_bar(sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
             report = command.norm_report(opened, options, progress, combined, prefix_with_file, limits)
         emit(report, fmt, quiet)
@@ -259,6 +262,7 @@ def clip_global_norm(
     report_file: opts.ReportFile = None,
     allow_nonfinite: opts.AllowNonfinite = False,
     prefix_with_file: opts.ClipPrefixWithFile = False,
+    count_shared_once: opts.CountSharedOnce = False,
     sort: opts.Sort = None,
     top: opts.Top = None,
     jobs: opts.Jobs = None,
@@ -288,7 +292,7 @@ def clip_global_norm(
 
         fields = dict(
             clip_norm=c, use_norm=g, allow_nonfinite=allow_nonfinite, sort=sort and sort.value, top=top,
-            jobs=worker_count(jobs),
+            jobs=worker_count(jobs), count_shared_once=count_shared_once,
         )  # fmt: skip
         if len(checkpoints) > 1:
             _clip_together(

@@ -389,6 +389,15 @@ FailDifferent = Annotated[
         help="Exit 1 if anything differs: values, names, shapes, dtypes or metadata (cmp for checkpoints).",
     ),
 ]
+CountSharedOnce = Annotated[
+    bool,
+    typer.Option(
+        "--count-shared-once",
+        help="Count names on one storage (tied weights of a PyTorch file) once in the global norm, as "
+        "torch.nn.utils.clip_grad_norm_(model.parameters()) does; each name keeps its row (and is written, "
+        "scaled by the one scale).",
+    ),
+]
 CombinedOpt = Annotated[
     bool,
     typer.Option(

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import pickle
+import re
 import struct
 import sys
 import tracemalloc
@@ -284,6 +285,21 @@ def dcp_metadata(
     return b"\x80\x02" + pickle_ops(_dcp_obj("Metadata", state)) + b"."
 
 
+def distcp_pickles(directory: Path) -> list[bytes]:
+    """The pickles of a distributed checkpoint, found without clipcli: `.metadata`, and the data.pkl of every
+    torch.save archive laid one after another in its .distcp files, by their local zip headers (torch writes
+    each stored, its sizes in a data descriptor), each from its first byte (it runs to its STOP opcode)."""
+    out = [(directory / ".metadata").read_bytes()]
+    for distcp in sorted(directory.glob("*.distcp")):
+        data = distcp.read_bytes()
+        for m in re.finditer(b"PK\x03\x04", data):
+            name_length, extra_length = struct.unpack("<HH", data[m.start() + 26 : m.start() + 30])
+            name = data[m.start() + 30 : m.start() + 30 + name_length]
+            if name.endswith(b"/data.pkl"):
+                out.append(data[m.start() + 30 + name_length + extra_length :])
+    return out
+
+
 def dcp_checkpoint(
     directory: Path, tensors: dict[str, tuple[tuple[int, ...], list]], items: dict[tuple[str, ...], Any] | None = None
 ) -> Path:
@@ -486,6 +502,7 @@ WRITTEN_BY_TORCH = [
         if (p.is_dir() and p.name not in ("inert", "script")) or p.suffix in (".pt", ".pth", ".bin", ".ckpt")
     ),
     *sorted(p for p in (DATA / "torch" / "script").iterdir() if p.suffix in (".pt", ".jit", ".ptl")),
+    DATA / "dcp" / "items",
     DATA / "dcp" / "sharded",
     DATA / "dcp" / "single",
 ]

@@ -12,7 +12,7 @@ import numpy as np
 
 from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, TensorInfo
 from clipcli.commands import passes
-from clipcli.commands.measure import Measured, check_nonfinite, measure, measured
+from clipcli.commands.measure import Measured, check_nonfinite, measure, measured, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, order, select_to_clip, shared_storages
 from clipcli.commands.write import Op, write
@@ -68,10 +68,13 @@ class ClipNormOptions(ClipOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class ClipGlobalNormOptions(ClipOptions):
-    """`clip-global-norm`'s largest global norm, and the global norm to use instead of measuring it."""
+    """`clip-global-norm`'s largest global norm, the global norm to use instead of measuring it, and whether names
+    on one storage (tied weights) count once in the global norm (`measure.shared_once`; each is still written,
+    scaled by the one scale)."""
 
     clip_norm: float
     use_norm: float | None = None
+    count_shared_once: bool = False
 
 
 def _written(ckpt: Checkpoint, o: ClipOptions, ops: dict[str, Op], progress: Progress, first: bool = False) -> Any:
@@ -92,9 +95,10 @@ def _finish(
     rows = []
     for r in m.rows:
         acc = after.get(r.name, m.per_tensor[r.name])
-        total_after.merge(acc)
-        if combined_after is not None:
-            combined_after.merge(acc)
+        if r.name not in m.repeats:  # a repeat of a name that counts (--count-shared-once) is counted once
+            total_after.merge(acc)
+            if combined_after is not None:
+                combined_after.merge(acc)
         stats = acc.result()
         rows.append(replace(r, norm_after=stats.norm, max_abs_after=stats.max_abs))
     return report(
@@ -148,7 +152,8 @@ def clip_global_norms(
     total = NormAccumulator(2)
     for ckpt, oc in zip(ckpts, options, strict=True):
         selected, skipped = select_to_clip(ckpt, oc.selection)
-        m = measure(ckpt, selected, skipped, 2.0, progress, oc.jobs)
+        repeats = shared_once(selected) if oc.count_shared_once else None
+        m = measure(ckpt, selected, skipped, 2.0, progress, oc.jobs, repeats)
         if not oc.allow_nonfinite:
             check_nonfinite(str(ckpt.path), m.rows)
         total.merge(m.total)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from clipcli.checkpoint import Checkpoint
 from clipcli.commands.gates import exceeds, limit_text
-from clipcli.commands.measure import NormOptions, groups, measure, nonfinite
+from clipcli.commands.measure import NormOptions, groups, measure, nonfinite, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import Selection, order, select, shared_storages
 from clipcli.core.norms import NormAccumulator
@@ -79,10 +79,12 @@ def measured_norms(
     ckpt: Checkpoint, options: NormOptions = NormOptions(), progress: Progress = NO_PROGRESS, prefix: str = ""
 ) -> tuple[CheckpointNorms, NormAccumulator]:
     """`global_norm`, and the accumulator of its global norm (to combine with other checkpoints'); `prefix`
-    goes before every tensor name the report shows (--prefix-with-file)."""
+    goes before every tensor name the report shows (--prefix-with-file); with `count_shared_once`, names on one
+    storage count once in the global norm (`shared_once`), each still a row of its own."""
     p = options.ord
     selected, skipped = select(ckpt, options.selection)
-    m = measure(ckpt, selected, skipped, p, progress, options.jobs)
+    repeats = shared_once(selected) if options.count_shared_once else None
+    m = measure(ckpt, selected, skipped, p, progress, options.jobs, repeats)
     rows = [replace(r, name=prefix + r.name) for r in m.rows] if prefix else m.rows
     every = groups(m, options.depth, p) if options.depth else ()
     norms = CheckpointNorms(

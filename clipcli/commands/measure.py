@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,9 @@ class NormOptions:
     sort: str | None = None
     top: int | None = None
     jobs: int = 1
+    # names on one view of one storage count once in the global norm (`shared_once`); keyword-only, so that the
+    # fields of a subclass (`DiffOptions.maps`) keep their places
+    count_shared_once: bool = field(default=False, kw_only=True)
 
 
 class NormKernel:
@@ -106,12 +109,34 @@ def combined(
 
 @dataclass
 class Measured:
-    """The rows of the measured tensors, the skipped ones, the total over all and each tensor's accumulator."""
+    """The rows of the measured tensors, the skipped ones, the total over all and each tensor's accumulator;
+    `repeats` are the names left out of the total as repeats of another (`shared_once`), each to its first."""
 
     rows: list[TensorRow]
     skipped: list[Skipped]
     total: NormAccumulator
     per_tensor: PerTensor
+    repeats: dict[str, str] = field(default_factory=dict)
+
+
+def shared_once(tensors: Sequence[TensorInfo]) -> dict[str, str]:
+    """The names that --count-shared-once leaves out of a global norm, each to the first name before it that is
+    the same tensor: the same view (dtype, shape and place) of the same storage, as tied weights are. This is
+    how `torch.nn.utils.clip_grad_norm_(model.parameters())` counts them: `parameters()` gives a tied parameter
+    once. Other views of a storage (a slice, a transpose) are tensors of their own and count."""
+    first: dict[object, str] = {}
+    out = {}
+    for t in tensors:
+        if t.storage is None:
+            continue
+        key = (t.storage, t.dtype, t.shape, t.stored_dtype, t.location)
+        try:
+            out[t.name] = first[key]
+        except KeyError:
+            first[key] = t.name
+        except TypeError:  # a location that cannot be compared as a key: a tensor of its own
+            continue
+    return out
 
 
 def measure(
@@ -121,20 +146,30 @@ def measure(
     p: float,
     progress: Progress,
     jobs: int,
+    repeats: dict[str, str] | None = None,
 ) -> Measured:
-    """One pass over the selected tensors: each one's norm, max |x|, NaN and Inf counts, and share."""
+    """One pass over the selected tensors: each one's norm, max |x|, NaN and Inf counts, and share; `repeats`
+    (`shared_once`) are measured and listed but left out of the total."""
     progress.phase("measuring", sum(t.nbytes for t in selected))
     results = passes.run_pass(ckpt, selected, lambda: NormKernel(p), jobs, progress=progress)
     batches = [batch for _, small in results for batch in small]
-    return measured(selected, skipped, combined(p, selected, (accs for accs, _ in results), batches), p)
+    return measured(selected, skipped, combined(p, selected, (accs for accs, _ in results), batches), p, repeats)
 
 
-def measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: PerTensor, p: float) -> Measured:
-    """The report's rows from each selected tensor's accumulated norm (small tensors' in a few NumPy passes)."""
+def measured(
+    selected: list[TensorInfo],
+    skipped: list[Skipped],
+    per_tensor: PerTensor,
+    p: float,
+    repeats: dict[str, str] | None = None,
+) -> Measured:
+    """The report's rows from each selected tensor's accumulated norm (small tensors' in a few NumPy passes); the
+    total leaves out `repeats`, each a repeat of a name that counts (`shared_once`)."""
     total = NormAccumulator(p)
     stats: dict[str, tuple[float, float, int, int]] = {}
     for names, s in per_tensor.batches:
-        s.merge_into(total)
+        if not repeats:
+            s.merge_into(total)
         figures = zip(s.norms().tolist(), s.max_abs.tolist(), s.nan.tolist(), s.inf.tolist(), strict=True)
         stats.update(zip(names, figures, strict=True))
     for t in selected:
@@ -142,7 +177,12 @@ def measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: Per
             acc = per_tensor[t.name]
             r = acc.result()
             stats[t.name] = (r.norm, r.max_abs, r.nan, r.inf)
-            total.merge(acc)
+            if not repeats:
+                total.merge(acc)
+    if repeats:  # each tensor's exact sums, the repeats left out (the same bits as merging whole batches)
+        for t in selected:
+            if t.name not in repeats:
+                total.merge(per_tensor[t.name])
     g = total.result().norm
     # (norm / g) ** p for orders 1 and 2 where both are finite numbers (within an ulp or two); else from the
     # exact sums, which are right also where the norms overflow float64, and for any order (the ratio's
@@ -158,16 +198,22 @@ def measured(selected: list[TensorInfo], skipped: list[Skipped], per_tensor: Per
         norm, max_abs, nan, inf = stats[t.name]
         share = (norm / g) ** p if plain else shares[t.name] if t.name in shares else per_tensor[t.name].share_of(total)
         rows.append(TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, share))
-    return Measured(rows, skipped, total, per_tensor)
+    return Measured(rows, skipped, total, per_tensor, dict(repeats or {}))
 
 
 def groups(m: Measured, depth: int, p: float) -> tuple[Group, ...]:
-    """The norms of the tensors grouped by the first `depth` dot-separated parts of their names."""
+    """The norms of the tensors grouped by the first `depth` dot-separated parts of their names (a repeat counted
+    only in a group its first name is not in: each tensor once per group)."""
     accs: dict[str, NormAccumulator] = {}
     counts: dict[str, int] = {}
+    merged: set[tuple[str, str]] = set()  # (group, name counted), with repeats
     for r in m.rows:
         key = ".".join(r.name.split(".")[:depth])
-        accs.setdefault(key, NormAccumulator(p)).merge(m.per_tensor[r.name])
+        acc = accs.setdefault(key, NormAccumulator(p))
+        counted = m.repeats.get(r.name, r.name)
+        if (key, counted) not in merged:
+            merged.add((key, counted))
+            acc.merge(m.per_tensor[r.name])
         counts[key] = counts.get(key, 0) + 1
     out = []
     for key, acc in accs.items():

@@ -577,7 +577,8 @@ SURROGATE_NAME = b'{"\\ud800":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}
 SURROGATE_NAME = struct.pack("<Q", len(SURROGATE_NAME)) + SURROGATE_NAME
 SURROGATE_METADATA = b'{"__metadata__":{"k":"\\udc80"},"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}'
 SURROGATE_METADATA = struct.pack("<Q", len(SURROGATE_METADATA)) + SURROGATE_METADATA
-OBJECT_NPY = npy_with_header("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", b"\x80\x04N.")
+# an object array whose pickle ends before its STOP: malformed (a whole pickle is audited and carried as bytes)
+OBJECT_NPY = npy_with_header("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", b"\x80\x04N")
 MALFORMED = {
     # safetensors: the header
     "empty.safetensors": (b"", FileTypeError, "not a safetensors file: an empty file"),
@@ -682,7 +683,7 @@ MALFORMED = {
     "lfs.npy": (b"version https://git-lfs.github.com/spec/v1\n", FileTypeError, "Git LFS pointer"),
     "bad-version.npy": (b"\x93NUMPY\x09\x09" + npy_bytes(np.ones(2))[8:], MalformedError, "version 9.9"),
     "code.npy": (npy_with_header("__import__('os').system('true')"), MalformedError, "not a Python literal"),
-    "object.npy": (OBJECT_NPY, UnsupportedError, "object arrays are not supported"),
+    "object.npy": (OBJECT_NPY, MalformedError, "tensor object: the pickle ends at byte 3 without a STOP"),
     "missing-key.npy": (
         npy_with_header("{'descr': '<f4', 'shape': (1,), }", bytes(4)),
         MalformedError,
@@ -710,7 +711,7 @@ MALFORMED = {
     "html.npz": (b"<html>", FileTypeError, "not an .npz file: an HTML page"),
     "corrupt.npz": (b"PK\x03\x04" + bytes(100), MalformedError, "not a valid zip archive"),
     "truncated.npz": (zip_bytes({"x.npy": npy_bytes(np.ones(100))})[:500], MalformedError, "not a valid zip"),
-    "object-member.npz": (zip_bytes({"x.npy": OBJECT_NPY}), UnsupportedError, "tensor x: object arrays"),
+    "object-member.npz": (zip_bytes({"x.npy": OBJECT_NPY}), MalformedError, "tensor x: the pickle ends at byte 3"),
     "extra-bytes.npz": (
         zip_bytes({"x.npy": npy_bytes(np.ones(2)) + b"zz"}),
         MalformedError,

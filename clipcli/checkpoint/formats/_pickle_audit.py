@@ -81,13 +81,15 @@ class PickleAudit:
     """What the pickles of one file name and would call, and whether `torch.load(weights_only=True)` loads it.
 
     `unsafe_calls` are the globals that `torch.load(weights_only=False)` would call and that neither torch's
-    weights-only allowlist nor the reader's own (a distributed checkpoint's metadata classes) holds.
+    weights-only allowlist nor the reader's own (a distributed checkpoint's metadata classes) holds; `loader` is
+    what would call them, as the warning names it.
     """
 
     file: str
     globals: tuple[GlobalUse, ...]
     loads_with_weights_only: bool
     unsafe_calls: tuple[str, ...]
+    loader: str = "torch.load"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON's `pickle` object."""
@@ -122,8 +124,9 @@ class Audit:
         """Something torch's weights-only unpickler refuses (an opcode it does not know)."""
         self.weights_only = False
 
-    def result(self, file: str, trusted: frozenset[str] = frozenset()) -> PickleAudit:
-        """The audit of `file`; `trusted` are globals the reader knows besides torch's allowlist."""
+    def result(self, file: str, trusted: frozenset[str] = frozenset(), loader: str = "torch.load") -> PickleAudit:
+        """The audit of `file`; `trusted` are globals the reader knows besides torch's allowlist, `loader` what
+        would load the file's pickles (and call what they name)."""
         uses = tuple(
             GlobalUse(name, "call", calls) if calls else GlobalUse(name, "name", refs)
             for name, (refs, calls) in sorted(self.uses.items())
@@ -131,4 +134,4 @@ class Audit:
         unsafe = tuple(
             u.name for u in uses if u.use == "call" and u.name not in WEIGHTS_ONLY_GLOBALS and u.name not in trusted
         )
-        return PickleAudit(file, uses, self.weights_only, unsafe)
+        return PickleAudit(file, uses, self.weights_only, unsafe, loader)

@@ -15,7 +15,11 @@ Choices where torch leaves room:
   renders the leaves of a torch.save file (`3`, `0.001`, `None`); an item that is a container flattens
   under its name as `_torch` flattens one (the tuple `optim.param_groups.0.betas` gives
   `optim.param_groups.0.betas.0` and `.1`; an empty one is `[]`, `{}` or `()`). Their pickles obey the
-  rules of any torch.save file: a global off `_torch`'s allowlist makes the checkpoint unreadable.
+  rules of any torch.save file: a global off `_torch`'s allowlist (an `argparse.Namespace`, `bytes`, an
+  `io.BytesIO`) is an inert placeholder, a NumPy scalar a value, a NumPy array a tensor (its values held
+  from the pickle), so no item makes the checkpoint unreadable. Every pickle of a `.distcp` file (items
+  and chunks) is audited, one audit per file beside the audit of `.metadata`: torch's DCP reader loads
+  items with `torch.load(weights_only=False)`, which would call what they name.
 - A tensor that DCP stored inside a non-tensor item (it keeps a tuple of tensors whole) is a tensor
   of its own with one chunk: the whole tensor, at offsets 0.
 - A chunk is a torch.save file of one tensor with the chunk's shape and the tensor's dtype. Torch
@@ -30,7 +34,7 @@ Choices where torch leaves room:
 - Entries of `storage_data` that no name of `state_dict_metadata` uses are ignored, as torch ignores them.
 - Megatron's `torch_dist` directories also hold `metadata.json` and `common.pt`; only the DCP part is
   read. `common.pt` (iteration, Megatron's `args` namespace, RNG states: no tensors that a norm needs)
-  is left out, since a torch.save file holding an `argparse.Namespace` is one clipcli refuses. The
+  is left out: it is no part of the DCP's `.metadata`, and can be read on its own as a `.pt`. The
   records that Megatron adds to `.metadata` (its `MCoreMetadata`, the save plans it keeps in
   `all_local_plans`) are read and ignored.
 """
@@ -60,7 +64,7 @@ from clipcli.checkpoint.formats.torch import (
 )
 from clipcli.checkpoint.plugin import Finding, Format, Opened, defect
 from clipcli.checkpoint.source import LOCAL, Store, size_of
-from clipcli.checkpoint.tensor import Piece, Pieces, TensorInfo, check_elements
+from clipcli.checkpoint.tensor import Held, Piece, Pieces, TensorInfo, check_elements
 from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
 
 __all__ = ["METADATA", "DcpChunk", "DcpTensor", "is_dcp", "read_dcp"]
@@ -99,17 +103,22 @@ class DcpTensor:
 
 
 def open_directory(
-    directory: Path, store: Store = LOCAL, audit: Audit | None = None
+    directory: Path, store: Store = LOCAL, audit: Audit | None = None, file_audits: dict[str, Audit] | None = None
 ) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a distributed checkpoint, each tensor read in its own C order from its
-    chunks (`Pieces`), never consolidated; `audit` counts what `.metadata`'s pickle names and calls."""
-    metadata, tensors = read_dcp(directory, store, audit)
+    chunks (`Pieces`), never consolidated; `audit` counts what `.metadata`'s pickle names and calls,
+    `file_audits` what the torch.save files in each `.distcp` file name and call (as `read_dcp`)."""
+    metadata, tensors = read_dcp(directory, store, audit, file_audits)
     out = []
     for t in tensors:
         first = str(t.chunks[0].file) if t.chunks else str(directory)
         nbytes = math.prod(t.shape) * t.dtype.itemsize if t.dtype is not None else 0
         if t.dtype is None:
             out.append(TensorInfo(t.name, t.dtype_name, t.shape, nbytes, first, None, skip=t.skip_reason))
+            continue
+        held = t.chunks[0].tensor.held if len(t.chunks) == 1 else None
+        if held is not None:  # a NumPy array pickled in an item: its values came with the pickle
+            out.append(TensorInfo(t.name, t.dtype_name, t.shape, nbytes, first, t.dtype, location=Held(held)))
             continue
         pieces = tuple(_piece(c) for c in t.chunks if math.prod(c.sizes))
         location = Pieces(t.shape, t.dtype.itemsize, pieces)
@@ -143,7 +152,7 @@ def is_dcp(directory: Path, store: Store = LOCAL) -> bool:
 
 
 def read_dcp(
-    directory: Path, store: Store = LOCAL, audit: Audit | None = None
+    directory: Path, store: Store = LOCAL, audit: Audit | None = None, file_audits: dict[str, Audit] | None = None
 ) -> tuple[dict[str, str], list[DcpTensor]]:
     """The non-tensor items (as metadata) and the tensors of a distributed checkpoint, checked.
 
@@ -154,6 +163,9 @@ def read_dcp(
     Args:
         directory: the checkpoint's directory (the one holding `.metadata`).
         store: where its files are (by default the file system).
+        audit: counts what the pickle of `.metadata` names and calls.
+        file_audits: filled with an `Audit` per `.distcp` file (by its path) of what the pickles of the
+            torch.save files it holds (chunks and items) name and call.
 
     Returns:
         The non-tensor items by name, rendered as text, and the tensors in the order of `.metadata`.
@@ -175,6 +187,8 @@ def read_dcp(
     except ClipcliError as e:
         e.path = e.path or str(where)
         raise
+    if file_audits is not None:
+        files.audits = file_audits
     metadata: dict[str, str] = {}
     tensors: list[DcpTensor] = []
     names: set[str] = set()
@@ -331,6 +345,7 @@ class _Files:
         self.renames = _RENAMES + 4 * len(locations)
         # with `collect` (for `findings`), each chunk and item looked up, in order
         self.used: list[tuple[str, tuple[int, ...] | None, _Location]] | None = [] if collect else None
+        self.audits: dict[str, Audit] = {}  # what the pickles of each file name and call, by its path
 
     def item(self, fqn: str) -> tuple[dict[str, str], list[DcpTensor]]:
         """The metadata and tensors of one non-tensor item: a torch.save file of any object."""
@@ -399,7 +414,8 @@ class _Files:
             if offsets is not None:
                 _refuse_safetensors(self.store, path, start, fqn, offsets)
             try:
-                self.read[key] = (fqn, *read_torch(path, start, end, fqn, self.store))
+                audit = self.audits.setdefault(str(path), Audit())
+                self.read[key] = (fqn, *read_torch(path, start, end, fqn, self.store, audit))
             except ClipcliError as e:
                 # a chunk's messages name its tensor; an item's name the entry inside it, if any
                 tensor = fqn if offsets is not None or e.tensor is None else e.tensor
@@ -578,11 +594,13 @@ def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | Non
 
 
 def _open(directory: Path, store: Store = LOCAL) -> Opened:
-    audit = Audit()
-    metadata, tensors = open_directory(directory, store, audit)
+    audit, file_audits = Audit(), {}
+    metadata, tensors = open_directory(directory, store, audit, file_audits)
     files = sorted({Path(t.file) for t in tensors})
     checked = audit.result(str(Path(directory) / METADATA), TRUSTED)
-    return Opened(metadata, tensors, files, "distcp", sharded=True, audits=(checked,))
+    # the torch.save files of the .distcp files: torch's DCP reader loads items with weights_only=False
+    held = tuple(file_audits[name].result(name) for name in sorted(file_audits))
+    return Opened(metadata, tensors, files, "distcp", sharded=True, audits=(checked, *held))
 
 
 FORMAT = Format("distcp", recognises=is_dcp, open=_open, findings=findings)

@@ -16,10 +16,11 @@ import numpy as np
 
 from clipcli.checkpoint.atomic import write_data
 from clipcli.checkpoint.formats._common import shown
-from clipcli.checkpoint.plugin import Format
+from clipcli.checkpoint.formats._pickle_audit import Audit, PickleAudit
+from clipcli.checkpoint.plugin import Format, Opened
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
-from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
+from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
 
 MAGIC = b"\x93NUMPY"
 MAX_HEADER = 10_000  # NumPy's own default `max_header_size`: longer headers are refused as unsafe to parse
@@ -28,13 +29,15 @@ _ALIGN = 64
 _GROWTH_DIGITS = 21
 _MAX_BYTES = MAX_COUNT  # an array's size in bytes must fit NumPy's intp
 _MAX_DIGITS = len(str(MAX_COUNT))  # of a decimal number in a header
+MAX_PICKLE = 256 << 20  # bytes of an object array's pickle read, as of a torch.save file's (formats/torch.py)
 
 
 class NpyHeader(NamedTuple):
     """A parsed .npy header: the data follows at `data_offset` bytes from the start of the member.
 
     `raw` is the header as stored (magic included); `numeric` is False for types clipcli carries as bytes
-    (strings, structured records, float128).
+    (strings, structured records, float128, object arrays); `pickled` is True for an object array, whose data
+    is a pickle of the whole array (`np.save` writes it so) of whatever length, never loaded here.
     """
 
     dtype: np.dtype
@@ -43,14 +46,17 @@ class NpyHeader(NamedTuple):
     data_offset: int
     raw: bytes = b""
     numeric: bool = True
+    pickled: bool = False
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
-    """The one tensor of a .npy file, named after the file's stem."""
+def open_file(path: Path, store: Store = LOCAL, audit: Audit | None = None) -> tuple[dict[str, str], list[TensorInfo]]:
+    """The one tensor of a .npy file, named after the file's stem; the pickle of an object array is counted
+    in `audit`, never loaded."""
+    name = path.name[: -len(".npy")] if path.name.endswith(".npy") else path.stem
     with store.open(path) as f:
         if f.read(6) != MAGIC:
             from clipcli.checkpoint import registry  # here: only a file that is no .npy needs every format
@@ -60,13 +66,35 @@ def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[Te
         f.seek(0)
         header = read_npy_header(f)
         size = size_of(f)
+        if header.pickled:
+            try:
+                audit_pickle(f, size - header.data_offset, Audit() if audit is None else audit)
+            except ClipcliError as e:
+                e.path, e.tensor = e.path or str(path), e.tensor or name
+                raise
+            return {}, [numpy_tensor(name, header, path, Span(header.data_offset), 0, size - header.data_offset)]
     if header.data_offset + header.nbytes != size:
         raise MalformedError(
             f"shape {header.shape} of {header.dtype.name} needs {header.nbytes} bytes of data, "
             f"the file holds {size - header.data_offset}",
             path,
         )
-    return {}, [numpy_tensor(path.name[: -len(".npy")], header, path, Span(header.data_offset))]
+    return {}, [numpy_tensor(name, header, path, Span(header.data_offset))]
+
+
+def open_audited(path: Path, store: Store = LOCAL) -> Opened:
+    """`open_file`, with the pickle audit of an object array (none for other arrays)."""
+    audit = Audit()
+    metadata, tensors = open_file(path, store, audit)
+    return Opened(metadata, tensors, [path], "npy", audits=pickle_audits(path, tensors, audit))
+
+
+def pickle_audits(path: Path, tensors: list[TensorInfo], audit: Audit) -> tuple[PickleAudit, ...]:
+    """The audit of a file's object arrays, if it holds any: calls beyond what NumPy calls to rebuild any object
+    array are what `np.load(allow_pickle=True)` would run."""
+    if not any(t.prefix and read_npy_header(io.BytesIO(t.prefix)).pickled for t in tensors):
+        return ()
+    return (audit.result(str(path), numpy_pickle_globals(), "np.load(allow_pickle=True)"),)
 
 
 def read_npy_header(f: BinaryIO, head: bytes = b"") -> NpyHeader:
@@ -74,7 +102,7 @@ def read_npy_header(f: BinaryIO, head: bytes = b"") -> NpyHeader:
 
     Raises:
         MalformedError: for a bad magic, version, length or dictionary.
-        UnsupportedError: for object arrays, and raw bytes that hide a bfloat16 or float8 type.
+        UnsupportedError: for raw bytes that hide a bfloat16 or float8 type.
     """
     prefix = head + f.read(8 - len(head))
     if len(prefix) < 8 or not prefix.startswith(MAGIC):
@@ -107,7 +135,7 @@ def read_npy_header(f: BinaryIO, head: bytes = b"") -> NpyHeader:
         # NumPy's own limit, which it applies to the axes that are not 0 even when one is (np.load refuses)
         raise MalformedError(f"shape {shape} of {dtype.name} is larger than any array NumPy can hold")
     offset = 8 + len(size_bytes) + n
-    return NpyHeader(dtype, shape, fortran, offset, prefix + size_bytes + raw, is_numeric(dtype))
+    return NpyHeader(dtype, shape, fortran, offset, prefix + size_bytes + raw, is_numeric(dtype), dtype.hasobject)
 
 
 # The header `np.save` writes, read without `ast` (a tenth of the time: an .npz of thousands of members).
@@ -167,8 +195,6 @@ def _descr_dtype(descr: Any) -> np.dtype:
         dtype = np.lib.format.descr_to_dtype(descr)
     except Exception as e:  # NumPy parses type strings with its own grammar: "," raises SyntaxError
         raise MalformedError(f"unknown dtype {descr!r}") from e
-    if dtype.hasobject:
-        raise UnsupportedError("object arrays are not supported (they would need unpickling)")
     if dtype.kind == "V" and dtype.names is None and dtype.itemsize in (1, 2):
         raise UnsupportedError(f"dtype {descr!r} is raw bytes (bfloat16 or float8 saved without its type?)")
     return dtype
@@ -231,11 +257,45 @@ def header(tensors: list[TensorInfo], metadata: dict[str, str]) -> bytes:
     return t.prefix or npy_header(t.array_dtype, t.shape, t.fortran_order)
 
 
-def numpy_tensor(name: str, header: NpyHeader, path: Path, location: Any, compression: int = 0) -> TensorInfo:
-    """A tensor from a .npy header: numeric types in native byte order, others carried as bytes."""
+def audit_pickle(f: BinaryIO, size: int, audit: Audit) -> None:
+    """Runs the pickle of an object array (`size` bytes from the current position of `f`) through clipcli's
+    pickle machine, never NumPy's or Python's: what it names and would call is counted in `audit`; nothing
+    is imported or called, and the array stays bytes carried whole.
+
+    Bytes after the pickle's STOP are left alone, as `np.load(allow_pickle=True)` leaves them.
+
+    Raises:
+        UnsupportedError: for a pickle larger than clipcli reads.
+        MalformedError: for a truncated or malformed pickle (UnsafePickleError: an opcode clipcli never runs).
+    """
+    from clipcli.checkpoint.formats._numpy_pickle import numpy_globals
+    from clipcli.checkpoint.formats._pickle import unpickle_at
+
+    if size > MAX_PICKLE:
+        raise UnsupportedError(f"an object array pickled in {size:,} bytes, more than clipcli reads ({MAX_PICKLE:,})")
+    data = f.read(size)
+    if len(data) < size:
+        raise MalformedError(f"the object array's pickle is truncated ({len(data)} of {size} bytes)")
+    known = numpy_globals()
+    unpickle_at(data, 0, lambda module, name: known.get(f"{module}.{name}"), audit=audit, placeholders=True)
+
+
+def numpy_pickle_globals() -> frozenset[str]:
+    """The NumPy globals that `np.load(allow_pickle=True)` calls for any object array (rebuilding the array and
+    its dtype): the audit of an .npy or .npz warns only of calls beyond them."""
+    from clipcli.checkpoint.formats._numpy_pickle import numpy_globals
+
+    return frozenset(numpy_globals())
+
+
+def numpy_tensor(
+    name: str, header: NpyHeader, path: Path, location: Any, compression: int = 0, nbytes: int | None = None
+) -> TensorInfo:
+    """A tensor from a .npy header: numeric types in native byte order, others carried as bytes (`nbytes` of them:
+    of an object array, its pickle's length)."""
     if not header.numeric:
         return TensorInfo(
-            name, type_name(header.dtype), header.shape, header.nbytes, str(path), None,
+            name, type_name(header.dtype), header.shape, header.nbytes if nbytes is None else nbytes, str(path), None,
             header.fortran_order, location, None, compression, header.raw,
         )  # fmt: skip
     native = header.dtype.newbyteorder("=")
@@ -247,8 +307,10 @@ def numpy_tensor(name: str, header: NpyHeader, path: Path, location: Any, compre
 
 
 def carried_dtype(t: TensorInfo) -> np.dtype | None:
-    """The NumPy type of a type carried as bytes (strings, records), from the .npy header it keeps, if any."""
-    return read_npy_header(io.BytesIO(t.prefix)).dtype if t.prefix else None
+    """The NumPy type of a type carried as bytes (strings, records), from the .npy header it keeps, if any; None
+    for an object array, whose bytes are a pickle that is never loaded."""
+    header = read_npy_header(io.BytesIO(t.prefix)) if t.prefix else None
+    return None if header is None or header.pickled else header.dtype
 
 
 def byte_layout(t: TensorInfo) -> tuple[str, bool]:
@@ -297,6 +359,7 @@ FORMAT = Format(
     sniff=lambda head, f=None: head.startswith(MAGIC),
     describe=lambda head: "a NumPy .npy file" if head.startswith(MAGIC) else None,
     open_file=open_file,
+    open=open_audited,
     write=write,
     header=header,
     check_tensor=check_tensor,

@@ -17,7 +17,8 @@ from clipcli.checkpoint.atomic import write_data
 from clipcli.checkpoint.formats import npy as _npy
 from clipcli.checkpoint.formats._common import first_zip_member
 from clipcli.checkpoint.formats._common import one_line as _one_line
-from clipcli.checkpoint.plugin import Finding, Format, refusals
+from clipcli.checkpoint.formats._pickle_audit import Audit
+from clipcli.checkpoint.plugin import Finding, Format, Opened, refusals
 from clipcli.checkpoint.source import LOCAL, Store, read_head
 from clipcli.checkpoint.tensor import Span, StoredCrc, TensorInfo, ZipMember
 from clipcli.checkpoint.zipmember import DATA_ERRORS, MemberStream, crc_findings, data_start
@@ -44,11 +45,12 @@ _ARCHIVE_ERRORS = (
 )
 
 
-def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
+def open_file(path: Path, store: Store = LOCAL, audit: Audit | None = None) -> tuple[dict[str, str], list[TensorInfo]]:
     """The members of an .npz as tensors, read from the zip directory and each member's .npy header.
 
-    Members that are not numeric tensors (text, records, float128, files that are not .npy) are listed
-    and carried as bytes.
+    Members that are not numeric tensors (text, records, float128, object arrays, files that are not .npy)
+    are listed and carried as bytes; the pickle of an object array is run through clipcli's pickle machine
+    and counted in `audit`, never loaded.
 
     Raises:
         FileTypeError: when the file is no zip archive.
@@ -63,6 +65,7 @@ def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[Te
         raise FileTypeError(f"not an .npz file: {describe(head)}", path)
     if b"data.pkl" in head:
         raise FileTypeError(f"not an .npz file: {describe(head)}", path)
+    audit = Audit() if audit is None else audit
     try:
         with store.open(path) as archive, zipfile.ZipFile(archive) as z, store.open(path) as raw:
             tensors, seen = [], set()
@@ -74,7 +77,7 @@ def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[Te
                     raise MalformedError("two members hold this tensor", path, name)
                 seen.add(name)
                 try:
-                    tensors.append(_member_tensor(path, z, raw, member, name))
+                    tensors.append(_member_tensor(path, z, raw, member, name, audit))
                 except ClipcliError as e:
                     e.tensor = e.tensor or name
                     raise
@@ -83,7 +86,16 @@ def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[Te
     return {}, tensors
 
 
-def _member_tensor(path: Path, z: zipfile.ZipFile, raw: BinaryIO, member: zipfile.ZipInfo, name: str) -> TensorInfo:
+def open_audited(path: Path, store: Store = LOCAL) -> Opened:
+    """`open_file`, with the pickle audit of the object arrays it holds (none for an .npz without)."""
+    audit = Audit()
+    metadata, tensors = open_file(path, store, audit)
+    return Opened(metadata, tensors, [path], "npz", audits=_npy.pickle_audits(path, tensors, audit))
+
+
+def _member_tensor(
+    path: Path, z: zipfile.ZipFile, raw: BinaryIO, member: zipfile.ZipInfo, name: str, audit: Audit
+) -> TensorInfo:
     if member.flag_bits & 0x1:
         raise MalformedError(f"the member {member.filename!r} is encrypted, password required")
     if member.compress_type not in _METHODS:
@@ -109,6 +121,14 @@ def _member_tensor(path: Path, z: zipfile.ZipFile, raw: BinaryIO, member: zipfil
                 location=ZipMember(member.filename, 0), compression=member.compress_type,
             )  # fmt: skip
         header = _npy.read_npy_header(stream, magic)
+        if header.pickled:  # its data is a pickle of whatever length: audited, then carried as it is
+            _npy.audit_pickle(stream, member.file_size - header.data_offset, audit)
+            location = ZipMember(member.filename, header.data_offset)
+            if stored:
+                crc = StoredCrc(member.CRC, zlib.crc32(header.raw), header.data_offset, member_name(name))
+                location = Span(start + header.data_offset, crc)
+            nbytes = member.file_size - header.data_offset
+            return _npy.numpy_tensor(name, header, path, location, member.compress_type, nbytes)
     if header.data_offset + header.nbytes != member.file_size:
         raise MalformedError(
             f"the member holds {member.file_size} bytes but its header declares {header.data_offset + header.nbytes}"
@@ -224,6 +244,7 @@ FORMAT = Format(
     sniff=_is_zip,
     describe=_describe_head,
     open_file=open_file,
+    open=open_audited,
     write=write,
     check_tensor=_check_tensor,
     check_file=_check_file,

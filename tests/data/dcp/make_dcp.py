@@ -22,6 +22,10 @@ Checkpoints (directories), each with `<name>.json` beside it:
   plans kept in `.metadata` (`all_local_plans`), `metadata.json` and `common.pt`. The second is written
   through stand-ins for Megatron-Core 0.15's classes (`MCoreMetadata`, `MCoreSavePlan`), named as
   Megatron names them.
+- `items/`: one process: non-tensor items of every kind (NumPy scalars, a NumPy array, `bytes`, an
+  `io.BytesIO`, an `argparse.Namespace` holding a tensor, an int) beside plain tensors; `items.json` holds
+  its tensors as torch reads them and its items, plain ones rendered as clipcli renders them, others by
+  class (`make_dcp.py items` writes this one alone).
 - `safetensors_format/`: DCP's `SerializationFormat.SAFETENSORS` (clipcli refuses it).
 
 The JSON holds, for every fully qualified name of `.metadata`, what torch reads after consolidating
@@ -198,6 +202,59 @@ def single(out: Path) -> None:
         "pair": (torch.tensor([1.5, -2.0]), torch.arange(3, dtype=torch.int32)),
     }
     dcp.save(state, checkpoint_id=out)
+
+
+def items(out: Path) -> None:
+    """Non-tensor items of every kind beside plain tensors, one process: NumPy scalars and an array, `bytes`, an
+    `io.BytesIO`, an `argparse.Namespace` holding a tensor, an int."""
+    import io
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(24)
+    state = {
+        "model": {"w": torch.randn(4, 3), "b": torch.randn(3, dtype=torch.float64)},
+        "np_scalar": np.float32(0.5),
+        "np_int": np.int64(7),
+        "np_array": np.arange(6.0).reshape(2, 3) - 2.5,
+        "blob": b"\x00\x01 bytes",
+        "stream": io.BytesIO(b"raw stream"),
+        "args": argparse.Namespace(lr=0.1, name="run-3", scale=torch.tensor([2.0, -1.5])),
+        "step": 11,
+    }
+    dcp.save(state, checkpoint_id=out)
+
+
+def items_expected(directory: Path) -> dict:
+    """What torch reads from `items/`: its tensors (those inside items by their dotted path) and its items,
+    plain ones as clipcli renders them, others by their class (placeholders)."""
+    import numpy as np
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(directory, Path(tmp) / "whole.pt")
+        whole = torch.load(Path(tmp) / "whole.pt", weights_only=False)  # written just now, by torch: safe to load
+    tensors, metadata = [], {}
+    for name, value in whole.items():
+        if isinstance(value, dict):
+            tensors += [tensor_entry(f"{name}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, np.ndarray):
+            tensors.append(tensor_entry(name, torch.from_numpy(value)))
+        elif isinstance(value, argparse.Namespace):
+            metadata[name] = "<argparse.Namespace>"
+            for k, v in vars(value).items():
+                if isinstance(v, torch.Tensor):
+                    tensors.append(tensor_entry(f"{name}.{k}", v))
+                else:
+                    metadata[f"{name}.{k}"] = literal(v, 0)
+        elif isinstance(value, np.generic):
+            metadata[name] = literal(value.item(), 0)
+        elif isinstance(value, (int, bytes)):
+            metadata[name] = literal(value, 0)
+        else:
+            metadata[name] = f"<{type(value).__module__}.{type(value).__qualname__}>"
+    return {"tensors": tensors, "metadata": metadata}
 
 
 def safetensors_format(out: Path) -> None:
@@ -446,9 +503,13 @@ def main() -> None:
         cwd = os.getcwd()
         os.chdir(HERE)  # .metadata records the path it was given: keep it relative
         try:
-            for name in ("single", "sharded", "megatron", "megatron_mcore015", "safetensors_format", "malformed"):
+            names = ("single", "items", "sharded", "megatron", "megatron_mcore015", "safetensors_format", "malformed")
+            for name in names:
                 shutil.rmtree(HERE / name, ignore_errors=True)
             single(Path("single"))
+            items(Path("items"))
+            text = json.dumps(items_expected(Path("items")), indent=1, sort_keys=True) + "\n"
+            Path("items.json").write_text(text)
             safetensors_format(Path("safetensors_format"))
             spawn("sharded", Path("sharded"), standin)
             for kind, name in (("megatron", "megatron"), ("mcore015", "megatron_mcore015")):
@@ -462,4 +523,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["items"]:  # that checkpoint alone (the others' .metadata change with each run)
+        os.chdir(HERE)
+        shutil.rmtree("items", ignore_errors=True)
+        items(Path("items"))
+        Path("items.json").write_text(json.dumps(items_expected(Path("items")), indent=1, sort_keys=True) + "\n")
+    else:
+        main()

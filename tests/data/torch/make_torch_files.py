@@ -130,6 +130,43 @@ class Tied(torch.nn.Module):
         self.head.weight = self.emb.weight
 
 
+class TiedLM(torch.nn.Module):
+    """A small language model whose output layer is its embedding (tied), with an untied layer between."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.mid = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def tied_model_with_grads() -> TiedLM:
+    torch.manual_seed(5)
+    model = TiedLM()
+    tokens = torch.randint(0, 8, (6,))
+    model.head(torch.tanh(model.mid(model.emb(tokens)))).logsumexp(-1).sum().backward()
+    return model
+
+
+def tied_grads() -> dict:
+    """Every parameter name's gradient, tied names included (one tensor: one storage in the file)."""
+    return {name: p.grad for name, p in tied_model_with_grads().named_parameters(remove_duplicate=False)}
+
+
+def tied_clip_reference(max_norm: float = 1.0) -> dict:
+    """What torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) gives for tied_grads.pt's gradients:
+    the total norm it returns (computed in float32) and the gradients before and after, by name; and the same
+    norm summed exactly in float64 over the parameters it iterates (each tied parameter once)."""
+    model = tied_model_with_grads()
+    before = {name: p.grad.reshape(-1).tolist() for name, p in model.named_parameters(remove_duplicate=False)}
+    unique = [p.grad.double().reshape(-1).tolist() for p in model.parameters()]
+    exact = math.sqrt(math.fsum(v * v for values in unique for v in values))
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    after = {name: p.grad.reshape(-1).tolist() for name, p in model.named_parameters(remove_duplicate=False)}
+    return {"max_norm": max_norm, "total_norm": float(total), "exact_norm": exact, "before": before, "after": after}
+
+
 def views() -> dict:
     torch.manual_seed(2)
     base = torch.randn(10)
@@ -726,6 +763,7 @@ def main() -> None:
         "adam.pt": (opt.state_dict(), {}),
         "adam_legacy.pt": (opt.state_dict(), {"_use_new_zipfile_serialization": False}),
         "tied.pt": (Tied().state_dict(), {}),
+        "tied_grads.pt": (tied_grads(), {}),
         "views.pt": (views(), {}),
         "parameter.pth": (parameters(), {}),
         "single.pt": (torch.linspace(-1, 1, 7), {}),
@@ -755,6 +793,9 @@ def main() -> None:
     torch.save(big, HERE / "little.pt")
     big_endian_copy(HERE / "little.pt", HERE / "big_endian.pt")
     (HERE / "little.pt").unlink()
+    if not only or "tied_grads.pt" in only:
+        text = json.dumps(tied_clip_reference(), indent=1, sort_keys=True) + "\n"
+        (HERE / "tied_grads.clip.json").write_text(text)
     if not only or "distcp" in only:  # its .metadata differs each time (a save id)
         distributed_checkpoint()
     if not only or "sharded_bin" in only:

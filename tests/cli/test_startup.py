@@ -30,7 +30,8 @@ heavy = [m for m in sys.argv[1].split(",") if m in sys.modules]
 print(json.dumps({"built": len(built), "heavy": heavy, "stdout": out.getvalue()}))
 """
 
-# rich draws tables only; the remote stores serve URLs only; hashlib is for hash and verify; the other commands'
+# rich draws tables only, csv writes CSV only; the remote stores serve URLs only; hashlib is for hash and
+# verify; the other commands'
 # modules and other formats' readers (PyTorch's pickle machine) are for the runs that need them.
 HEAVY = (
     "rich",
@@ -39,6 +40,7 @@ HEAVY = (
     "urllib.request",
     "ssl",
     "hashlib",
+    "csv",
     "concurrent.futures",
     "clipcli.checkpoint.remote",
     "clipcli.checkpoint.httpfs",

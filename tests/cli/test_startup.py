@@ -31,8 +31,8 @@ print(json.dumps({"built": len(built), "heavy": heavy, "stdout": out.getvalue()}
 """
 
 # rich draws tables only, csv writes CSV only; the remote stores serve URLs only; hashlib is for hash and
-# verify; the other commands'
-# modules and other formats' readers (PyTorch's pickle machine) are for the runs that need them.
+# verify; the other commands' modules and other formats' readers (PyTorch's pickle machine) are for the runs
+# that need them.
 HEAVY = (
     "rich",
     "fsspec",

@@ -273,9 +273,10 @@ def main() -> None:
     sections = set(filter(None, args.only.split(","))) or everything
     sections |= {"memory"} if not args.only else set()
     tag = f"{gib:g}g"
-    f32 = ensure(f"f32-{tag}.safetensors", gib, "float32")
-    bf16 = ensure(f"bf16-{tag}.safetensors", gib / 2, "bfloat16")
-    f16 = ensure(f"f16-{tag}.safetensors", gib / 2, "float16")
+    if sections - {"tiny", "help"}:  # (the sections of small files need none of the large ones)
+        f32 = ensure(f"f32-{tag}.safetensors", gib, "float32")
+        bf16 = ensure(f"bf16-{tag}.safetensors", gib / 2, "bfloat16")
+        f16 = ensure(f"f16-{tag}.safetensors", gib / 2, "float16")
     out = DATA / "out.safetensors"
     clean = f"rm -f {q(str(out))}"
     print(

@@ -1,8 +1,10 @@
 """The `clipcli` command: the app with its commands registered, run with the contract's exit statuses."""
 
+import sys
+
 from clipcli import cli_commands, cli_trust  # noqa: F401  (they register their commands, in the order --help lists them)
 from clipcli._stops import exit_stopped, ignore_stops_if_committed, install_stop_handlers, stop_status
-from clipcli.cli_app import app
+from clipcli.cli_app import app, app_for
 
 __all__ = ["app", "main"]
 
@@ -19,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     install_stop_handlers()
     announced = False
     try:
-        app(args=argv, prog_name="clipcli")
+        app_for(sys.argv[1:] if argv is None else argv)(args=argv, prog_name="clipcli")
     except SystemExit as e:
         announced = e.code == stop_status()  # the command's `_errors` said it
         if stop_status() is None:

@@ -6,6 +6,7 @@ The commands register on `app` in `cli_commands` and `cli_trust`; `cli.main` run
 # as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import os
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any, NoReturn
 
 import typer
+import typer.main
 
 from clipcli import cli_options as opts
 from clipcli._stops import defer_stops, stop_status
@@ -32,6 +34,28 @@ app = typer.Typer(
 )
 
 typer.completion.completion_init()  # the shells the completion scripts call back with (add_completion did it)
+
+
+def app_for(args: list[str]) -> typer.Typer:
+    """The app with only the command that `args` name registered; the whole app when they name none (no
+    arguments, an option first, a name that is no command) or the shell's completion is at work.
+
+    Typer builds every registered command's Click parameters from its signature at each run: a tenth of the
+    start-up of a run over 10,000 tiny tensors, where the command that runs is the only one it needs.
+    """
+    if not args or os.environ.get("_CLIPCLI_COMPLETE"):
+        return app
+    named = [c for c in app.registered_commands if _command_name(c) == args[0]]
+    if len(named) != 1:
+        return app
+    one = copy.copy(app)
+    one.registered_commands = named
+    return one
+
+
+def _command_name(info: Any) -> str:
+    return info.name or typer.main.get_command_name(info.callback.__name__)  # as Typer names it
+
 
 ISSUES_URL = "https://github.com/clipcli/clipcli/issues"
 

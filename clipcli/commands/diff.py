@@ -217,6 +217,7 @@ def diff(
     if (selection.include or selection.exclude) and not (listed_a and listed_b):
         selection.check(b if listed_a else a)  # never silently empty: per checkpoint
     in_b = _names_in_b(listed_a, options.maps)
+    named_in_b = set(in_b.values())
     names = [n for n in listed_a if in_b[n] in listed_b]
     mismatched, pairs, numeric = [], [], []
     for name in names:
@@ -286,7 +287,7 @@ def diff(
         shown=order(rows, sort, None) if top is None else order([r for r in rows if not r.identical], sort, top),
         others=tuple(others),
         only_a=tuple(n for n in listed_a if in_b[n] not in listed_b),
-        only_b=tuple(n for n in listed_b if n not in set(in_b.values())),
+        only_b=tuple(n for n in listed_b if n not in named_in_b),
         mismatched=tuple(mismatched),
         metadata_differs=metadata_differs(a, b, selection),
         groups=groups,

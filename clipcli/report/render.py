@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import codecs
-import csv
 import functools
 import io
 import itertools
@@ -46,6 +45,8 @@ class Report:
 
     def to_csv(self) -> str:
         """A header row, then the report's rows; the last column, `kind`, says what a row is."""
+        import csv  # (only a CSV report needs it: a run's start-up is most of a small checkpoint's time)
+
         buf = io.StringIO()
         self._csv(csv.writer(buf, lineterminator="\n"))
         return buf.getvalue()

@@ -337,8 +337,8 @@ def dcp_row_chunks(d: Path) -> Path:
 
 
 def dcp_item_fan_out(d: Path) -> Path:
-    # one byte range (140 references to a list of 140 references to a float) named by 51 items: 1.0 M
-    # names, as many as a byte range may make again (51 + 4 items: refused)
+    # one byte range (140 references to a list of 140 references to a float) named by 12 items: 235,000
+    # names, as many as a byte range may make again (12 + 4 items: refused)
     d = d / "dcp"
     d.mkdir()
     value = b"\x80\x02G?\xe0\x00\x00\x00\x00\x00\x00q\x00](" + b"h\x00" * 140 + b"eq\x01](" + b"h\x01" * 140 + b"e."
@@ -347,7 +347,7 @@ def dcp_item_fan_out(d: Path) -> Path:
     tensor = torch_zip(torch_view("float32", 2, (2,), (1,)), {"0": np.ones(2, np.float32).tobytes()})
     (d / "__0_0.distcp").write_bytes(tensor + item)
     storage = {("w", (0,)): ("__0_0.distcp", 0, len(tensor))}
-    storage.update({(f"i{k}", None): ("__0_0.distcp", len(tensor), len(item)) for k in range(51)})
+    storage.update({(f"i{k}", None): ("__0_0.distcp", len(tensor), len(item)) for k in range(12)})
     (d / ".metadata").write_bytes(memoized(dcp_metadata({"w": ("float32", (2,), [((0,), (2,))])}, storage)))
     return d
 

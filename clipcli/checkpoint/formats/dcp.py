@@ -71,7 +71,7 @@ __all__ = ["METADATA", "DcpChunk", "DcpTensor", "is_dcp", "read_dcp"]
 
 METADATA = ".metadata"
 _MAX_INDEX = 1 << 63  # sizes and offsets are int64 in torch
-_RENAMES = 1_000_000  # names that a byte range named by several entries may make again, at least
+_RENAMES = 250_000  # names that a byte range named by several entries may make again, at least (each costs ~10 µs)
 # what names the metadata class in the first bytes of a .metadata pickle (Megatron's subclass included)
 _SIGNATURES = (b"torch.distributed.checkpoint", b"megatron.core.dist_checkpointing")
 

@@ -92,6 +92,21 @@ state = torch.load(sys.argv[1], weights_only=True)
 save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[2])
 """
 
+# The same tensors with what fairseq and scientific checkpoints keep beside them: an argparse.Namespace of the
+# run's arguments and a config of NumPy arrays and scalars (clipcli reads them as inert placeholders and data).
+TORCH_SAVE_WITH_CONFIG = """
+import argparse, sys
+import numpy as np, torch
+from safetensors.torch import load_file
+state = load_file(sys.argv[1])
+state["args"] = argparse.Namespace(arch="transformer_lm", lr=[3e-4], betas="(0.9, 0.98)", layers=48, seed=1)
+state["config"] = {
+    "mean": np.linspace(0, 1, 4096, dtype=np.float32), "cov": np.eye(64), "mask": np.ones(1000, bool),
+    "scale": np.float64(0.5), "steps": np.int64(100000), "cutoff": np.float32(6.0),
+}
+torch.save(state, sys.argv[2])
+"""
+
 # The commands with 16 workers whatever the cores (the command line never starts more than the cores).
 SIXTEEN_WORKERS = """
 import sys
@@ -240,10 +255,10 @@ def ensure_members(path: Path, n: int) -> Path:
     return path
 
 
-def ensure_torch(path: Path, source: Path, python: str) -> Path | None:
-    """The same tensors as a torch.save state dict, written by real torch."""
+def ensure_torch(path: Path, source: Path, python: str, code: str = "") -> Path | None:
+    """The same tensors as a torch.save state dict, written by real torch (by `code`, given both paths)."""
     if not path.exists():
-        code = (
+        code = code or (
             "import sys, torch; from safetensors.torch import load_file; "
             "torch.save(load_file(sys.argv[1]), sys.argv[2])"
         )
@@ -412,6 +427,16 @@ def main() -> None:
                 f"clipcli global-norm {q(str(f32))} -q",
                 reps,
             )
+            configured = ensure_torch(
+                DATA / f"f32-{tag}-config.pt", f32, args.torch_python or sys.executable, TORCH_SAVE_WITH_CONFIG
+            )
+            if configured is not None:  # goal: 1.05x (issue 24)
+                compare(
+                    f"global-norm {gib:g} GiB float32 `.pt` with a Namespace and a NumPy config vs the plain `.pt`",
+                    f"clipcli global-norm {q(str(configured))} -q 2>/dev/null",  # its audit's warning
+                    f"clipcli global-norm {q(str(pt))} -q",
+                    reps,
+                )
             compare(
                 f"convert {gib:g} GiB `.pt` to `.safetensors` vs `cat && cp`",
                 f"clipcli convert {q(str(pt))} -o {q(str(out))} -q",

@@ -191,23 +191,19 @@ def test_a_file_of_every_hostile_call_runs_nothing_warns_and_fails_the_gate(
     assert not (tmp_path / SENTINEL).exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 24 item 4: a .distcp item's pickle is read without its audit (formats/dcp.py, another's part)",
-)
 def test_a_distributed_checkpoint_item_of_every_hostile_call_warns_and_fails_the_gate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     path, _ = hostile_files(tmp_path)["dcp-item"]
     shown, plain, gated = gate_runs(tmp_path, path)
-    assert not (tmp_path / SENTINEL).exists()  # before the part that fails today: nothing ran
+    assert not (tmp_path / SENTINEL).exists()
     assert shown.returncode == 0 and plain.returncode == 0 and "Traceback" not in shown.stderr + plain.stderr
     assert "functools.partial" in plain.stderr and gated.returncode == 1, (plain, gated)
 
 
 def test_a_distributed_checkpoint_item_runs_nothing(tmp_path: Path, recorders: list) -> None:
-    """What holds today of the item: read as placeholders, nothing called, nothing imported."""
+    """The item is read as placeholders: nothing called, nothing imported."""
     path, _ = hostile_files(tmp_path)["dcp-item"]
     modules = set(sys.modules)
     metadata, tensors = read_dcp(path)

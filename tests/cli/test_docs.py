@@ -72,6 +72,8 @@ def test_every_console_example_prints_what_the_readme_shows(workdir):
     text = README.read_text()
     examples = _examples(text)
     assert len(examples) >= 7
+    if shutil.which("jq") is None:  # the vetting example pipes into jq, which a fresh machine may lack
+        examples = [(command, output) for command, output in examples if "| jq" not in command]
     got = [(command, _run(command, workdir)) for command, _ in examples]
     if os.environ.get("CLIPCLI_UPDATE_README"):
         for (command, old), (_, new) in zip(examples, got, strict=True):

@@ -262,6 +262,8 @@ for path in sys.argv[1:]:
             verdicts[path] = True
         except pickle.UnpicklingError:  # the weights-only unpickler's refusal
             verdicts[path] = False
+        except RuntimeError as e:  # torch refuses a TorchScript archive with weights_only=True, unread
+            verdicts[path] = False if "weights_only=True`` with TorchScript" in str(e) else None
         except Exception:  # torch cannot load it at all
             verdicts[path] = None
 print(json.dumps(verdicts))

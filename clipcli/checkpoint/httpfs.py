@@ -9,12 +9,17 @@ took a second to import; this one needs no extra.
 from __future__ import annotations
 
 import http.client
+import socket
+import struct
+import sys
 import threading
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 _REDIRECTS = 5  # followed for one request (a CDN behind a resolve URL)
 _TIMEOUT_S = 60  # for a connection and for each read of it
+# a body read whole by the kernel (`_receive`) where the flag and a `struct timeval` of two longs are sure
+_WAITALL = getattr(socket, "MSG_WAITALL", 0) if sys.platform.startswith(("linux", "darwin")) else 0
 
 
 class HttpStatusError(OSError):
@@ -81,6 +86,10 @@ class HttpFileSystem:
             _check(response, url)
             if response.status != 206:
                 raise OSError(f"the server does not honour range requests (HTTP {response.status} for a range)")
+            sock = self._connection(key).sock
+            if _WAITALL and response.length == len(view) and type(sock) is socket.socket:  # plain, not TLS
+                _receive(response, sock, view)
+                return len(view)
             got = 0
             while got < len(view):
                 n = response.readinto(view[got:])
@@ -141,3 +150,35 @@ def _check(response: http.client.HTTPResponse, url: str) -> None:
     if response.status >= 400:
         response.read()
         raise HttpStatusError(response.status, response.reason, url)
+
+
+def _receive(response: http.client.HTTPResponse, sock: socket.socket, view: memoryview) -> None:
+    """Fills `view` with the body of `response`, exactly as long, then closes the response (its connection
+    stays open for the next request).
+
+    What http.client has buffered after the headers comes first; the rest is one `recv` with MSG_WAITALL on a
+    blocking socket: the kernel fills the buffer while the thread holds no GIL, instead of a `recv` of a few
+    hundred KiB at a time, each taking the GIL back from the threads that compute. SO_RCVTIMEO bounds the wait
+    as the connection's timeout does.
+
+    Raises:
+        ShortReadError: when the body ends early. TimeoutError: when no byte arrives for `_TIMEOUT_S`.
+    """
+    got = response.fp.readinto1(view)  # type: ignore[union-attr]  # the buffered part (or one read)
+    if got < len(view):
+        seconds, fraction = divmod(_TIMEOUT_S, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), int(fraction * 1e6)))
+        sock.settimeout(None)  # blocking: MSG_WAITALL waits for every byte (a socket with a timeout is non-blocking)
+        try:
+            while got < len(view):
+                try:
+                    n = sock.recv_into(view[got:], len(view) - got, _WAITALL)
+                except BlockingIOError as e:
+                    raise TimeoutError(f"no bytes for {_TIMEOUT_S} s") from e
+                if not n:
+                    raise ShortReadError(f"{got:,} of {len(view):,} bytes arrived")
+                got += n
+        finally:
+            sock.settimeout(_TIMEOUT_S)
+    response.length = 0
+    response.read()  # closes the response, not the connection

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from clipcli.checkpoint import open_checkpoint
+from clipcli.checkpoint import httpfs, open_checkpoint
 from clipcli.checkpoint import remote as _remote
 from clipcli.errors import ExitStatus, InputError, MissingFileError, UsageError
 from tests.helpers import DATA, SAMPLES
@@ -96,6 +96,31 @@ def test_a_transient_failure_is_retried_and_the_values_are_the_same(tmp_path, qu
         np.testing.assert_array_equal(ckpt.read(ckpt.tensors[0]), values)
         assert len(server.requests) == 3  # two failures, then the read
         assert not server.fail
+
+
+def test_a_body_that_stalls_is_given_up_after_the_timeout_and_retried(tmp_path, quick, monkeypatch):
+    # a body is received by one blocking recv (MSG_WAITALL): its timeout must still end the wait, as transient
+    monkeypatch.setattr(httpfs, "_TIMEOUT_S", 0.2)
+    path = tmp_path / "a.safetensors"
+    values = np.random.default_rng(1).standard_normal(1 << 20).astype(np.float32)
+    save_file({"a": values}, str(path))
+    with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
+        server.fail = ["stall"]
+        server.reset()
+        np.testing.assert_array_equal(ckpt.read(ckpt.tensors[0]), values)
+        assert len(server.requests) == 2  # the stalled one, then the read
+        assert not server.fail
+
+
+def test_one_connection_carries_every_ranged_read_of_a_thread(tmp_path):
+    path = tmp_path / "a.safetensors"
+    values = np.random.default_rng(2).standard_normal(3 << 20).astype(np.float32)  # 12 MiB
+    save_file({"a": values}, str(path))
+    with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
+        got = np.concatenate([c.copy() for c in ckpt.chunks(ckpt.tensors[0], 1 << 20)])
+        np.testing.assert_array_equal(got, values)
+        assert len(server.requests) == 2 + 12  # HEAD, the header's range, then each MiB
+        assert server.connections == 1
 
 
 def test_a_failure_that_persists_is_one_input_error(tmp_path, quick):

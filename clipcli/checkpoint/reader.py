@@ -182,10 +182,12 @@ class Checkpoint:
             source = self.store.source(file)
         except OSError as e:
             raise MissingFileError(e.strerror or str(e), file) from e
+        within = getattr(source, "read_within", None)  # a remote source's read-ahead, up to the tensor's end
+        end = t.location.offset + t.nbytes if within is not None and isinstance(t.location, Span) else None
         got = 0
         try:
             while got < len(view):
-                k = source.read_into(at + got, view[got:])
+                k = source.read_into(at + got, view[got:]) if end is None else within(at + got, view[got:], end)
                 if not k:
                     raise MalformedError("the file ends before the tensor's data does", file, t.name)
                 got += k

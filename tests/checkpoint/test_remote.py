@@ -112,15 +112,43 @@ def test_a_body_that_stalls_is_given_up_after_the_timeout_and_retried(tmp_path, 
         assert not server.fail
 
 
-def test_one_connection_carries_every_ranged_read_of_a_thread(tmp_path):
+def test_a_tensor_read_in_chunks_is_one_ranged_get_read_on(tmp_path):
     path = tmp_path / "a.safetensors"
     values = np.random.default_rng(2).standard_normal(3 << 20).astype(np.float32)  # 12 MiB
-    save_file({"a": values}, str(path))
+    save_file({"a": values, "b": values[:1000]}, str(path))
     with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
-        got = np.concatenate([c.copy() for c in ckpt.chunks(ckpt.tensors[0], 1 << 20)])
+        a = next(t for t in ckpt.tensors if t.name == "a")
+        server.reset()
+        got = np.concatenate([c.copy() for c in ckpt.chunks(a, 1 << 20)])
         np.testing.assert_array_equal(got, values)
-        assert len(server.requests) == 2 + 12  # HEAD, the header's range, then each MiB
+        first = a.location.offset
+        assert server.requests == [("GET", "/a.safetensors", f"bytes={first}-{first + (12 << 20) - 1}")]
+        assert server.sent == 12 << 20  # nothing of b
         assert server.connections == 1
+
+
+def test_a_read_whose_bytes_before_never_come_reads_alone(tmp_path, monkeypatch):
+    # read-ahead: a read past a stream's place waits for the thread reading the bytes before it, then gives up
+    monkeypatch.setattr(_remote, "_WAIT_S", 0.05)
+    path = tmp_path / "a.bin"
+    data = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    with range_server({"a.bin": path}) as server:
+        store, url = _remote.open_store(f"{server.url}/a.bin")
+        try:
+            source = store.source(url)
+            server.reset()
+            first, later = bytearray(1 << 20), bytearray(1 << 20)
+            assert source.read_within(1 << 20, memoryview(first), 4 << 20) == 1 << 20  # a stream to the end
+            assert source.read_within(3 << 20, memoryview(later), 4 << 20) == 1 << 20  # its 2nd MiB never read
+            assert bytes(first) == data[1 << 20 : 2 << 20].tobytes()
+            assert bytes(later) == data[3 << 20 :].tobytes()
+            assert [r for _, _, r in server.requests] == [
+                f"bytes={1 << 20}-{(4 << 20) - 1}",
+                f"bytes={3 << 20}-{(4 << 20) - 1}",
+            ]
+        finally:
+            store.close()
 
 
 def test_a_failure_that_persists_is_one_input_error(tmp_path, quick):

@@ -180,9 +180,10 @@ class _Streams:
 
     A read at `offset` takes the stream that has got there; waits while another thread reads the bytes before it
     (they were handed out in order: that thread asks for them next); or opens a stream from `offset` to the
-    caller's `end`, never beyond where another stream starts (no byte is asked for twice). A read that waits
-    `_WAIT_S` in vain (the thread before it failed) reads its own range alone. What waits in a stream's socket is
-    bounded by the kernel's buffers; streams left unread are closed past `_STREAMS` and with the file.
+    caller's `end`, never beyond where another stream starts (no byte is asked for twice). After `_WAIT_S` in
+    vain, a stream that no read came back to (its reader failed, or stopped) is given up, and a read behind a slow
+    one reads its own range alone. What waits in a stream's socket is bounded by the kernel's buffers; streams left
+    unread are closed past `_STREAMS` and with the file.
     """
 
     def __init__(self, open_range: Any):
@@ -229,8 +230,13 @@ class _Streams:
                     ahead.busy = True
                     return ahead
                 left = deadline - time.monotonic()
-                if left <= 0:  # the bytes before this read's never came: it reads alone, in no stream
+                if left <= 0 and ahead.busy:  # a read before this one is slow: this one reads alone
                     return _Stream(offset, stop)
+                if left <= 0:  # no read came for the bytes before this one's: the stream is given up
+                    self._streams.remove(ahead)
+                    if ahead.body is not None:
+                        ahead.body.close()
+                    continue
                 self._changed.wait(left)
 
     def _drop(self, stream: _Stream) -> None:

@@ -377,8 +377,8 @@ def run_pairs(
     if run:
         tasks.append(_PairTask(run[0], batch=tuple(run)))
     work = _PairWorker(readers, pairs, tasks, make_kernel, max_bytes, block)
-    chunked = [pairs[task.pair] for task in tasks if not (task.whole or task.stream or task.batch)]
-    chunked = list(dict.fromkeys(chunked))  # each pair once, in the order its first chunk is taken
+    # each pair read in chunks, once, in the order its first chunk is taken
+    chunked = [pairs[i] for i in dict.fromkeys(t.pair for t in tasks if not (t.whole or t.stream or t.batch))]
     with _read_ahead(list(readers), [[a for a, _ in chunked], [b for _, b in chunked]]):
         return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
 

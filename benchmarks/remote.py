@@ -7,8 +7,9 @@ Needs the remote extra (`pip install -e '.[remote]'`) and curl. The server is th
 Python's threading HTTP server, bodies sent with `sendfile`), run in a process of its own so that neither side
 shares its GIL. The checkpoint is generated into benchmarks/data/ (git-ignored) when missing and the page cache
 warmed first. Prints the median wall time of each side over --reps alternating pairs and their ratio, and
-beside them clipcli's on the local file (timed in the same rounds): what the network costs it. The machine
-is shared and noisy: only ratios measured side by side in one run mean anything.
+beside them clipcli's on the local file (timed in the same rounds): what the network costs it; and, per row, the
+requests, connections and bytes the server counted for one clipcli run. The machine is shared and noisy: only
+ratios measured side by side in one run mean anything.
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ DATA = HERE / "data"
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # Python as users run it
 
 SERVE = """
-import sys
+import sys, threading
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from tests.servers import RangeServer
 server = RangeServer({"m.safetensors": Path(sys.argv[2])})
 print(server.url, flush=True)
-server.serve_forever()
+threading.Thread(target=server.serve_forever, daemon=True).start()
+for _ in sys.stdin:  # a line asks what was requested since the last one
+    with server.lock:
+        gets = [r for m, _, r in server.requests if m == "GET"]
+        print(len(server.requests), len(gets), server.connections, server.sent, flush=True)
+    server.reset()
+    server.connections = 0
 """
 
 
@@ -53,6 +60,13 @@ def timed(command: list[str]) -> float:
     return time.perf_counter() - start
 
 
+def asked(server: subprocess.Popen) -> list[int]:
+    """The requests, GETs, connections and bytes sent the server counted since it was last asked."""
+    server.stdin.write("\n")  # type: ignore[union-attr]
+    server.stdin.flush()  # type: ignore[union-attr]
+    return [int(n) for n in server.stdout.readline().split()]  # type: ignore[union-attr]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0, help="size of the float32 checkpoint (default 2)")
@@ -65,7 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     path = ensure(args.gib)
     subprocess.run(["cat", str(path)], check=True, stdout=subprocess.DEVNULL)  # the page cache, warmed
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVE, str(ROOT), str(path)], stdout=subprocess.PIPE, text=True, env=ENV
+        [sys.executable, "-c", SERVE, str(ROOT), str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
     )
     try:
         url = f"{server.stdout.readline().strip()}/m.safetensors"  # type: ignore[union-attr]
@@ -76,14 +94,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB over {url.rsplit('/', 1)[0]}, {args.reps} pairs")
         print("| command | clipcli, the URL | curl -o /dev/null | ratio | clipcli, the local file |")
         print("|---|---:|---:|---:|---:|")
+        counted = []
         for jobs in [j for j in args.jobs.split(",") if j] or [None]:
             extra = [] if jobs is None else ["--jobs", jobs]
             ours, local = clip + extra, [*shlex.split(args.clipcli), "global-norm", str(path), "--quiet", *extra]
+            label = "global-norm" + ("" if jobs is None else f" --jobs {jobs}")
+            asked(server)
             timed(ours), timed(curl)  # a first pair for the caches, not counted
+            requests, gets, connections, sent = asked(server)  # of that clipcli run and curl's
+            mine = (sent - path.stat().st_size) / 2**30  # curl's 1 request, 1 connection and the file, taken off
+            counted.append(
+                f"{label}: {requests - 1} requests ({gets - 1} GETs), {connections - 1} connections, {mine:.3f} GiB"
+            )
             runs = [(timed(ours), timed(curl), timed(local)) for _ in range(args.reps)]
             a, b, c = (statistics.median(r[k] for r in runs) for k in range(3))
-            label = "global-norm" + ("" if jobs is None else f" --jobs {jobs}")
             print(f"| {label} | {a:.2f} s | {b:.2f} s | {a / b:.2f}x | {c:.2f} s |", flush=True)
+        print("\nAt the server, one run of each (curl: 1 GET):", "; ".join(counted))
     finally:
         server.terminate()
         server.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import email.message
 import email.utils
 import hashlib
 import json
@@ -22,9 +23,10 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 class RangeServer(ThreadingHTTPServer):
     """Serves files by name (`/NAME` → a local file), honouring `Range`, counting the body bytes it sends.
 
-    `fail` holds the failures to come, one per GET that matches: `"503"` (an error answer) or `"cut"` (the
-    connection closed half-way through the body). `routes` adds answers of its own (`path -> (status, headers,
-    body)`) for the Hub's API.
+    `fail` holds the failures to come, one per GET that matches: `"503"` (an error answer), `"cut"` (the
+    connection closed half-way through the body) or `"stall"` (half the body, then nothing more until the client
+    hangs up). `connections` counts the connections accepted. `routes` adds answers of its own (`path -> (status,
+    headers, body)`) for the Hub's API.
     """
 
     daemon_threads = True
@@ -38,6 +40,7 @@ class RangeServer(ThreadingHTTPServer):
         self.sent = 0
         self.ignore_range = False  # answer every GET with the whole file, as a server without Range support does
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
+        self.connections = 0
         self.lock = threading.Lock()
 
     @property
@@ -55,8 +58,30 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # as web servers do (nginx's tcp_nodelay): no body's tail waits for an ACK
     server: RangeServer
 
+    def setup(self) -> None:
+        super().setup()
+        with self.server.lock:
+            self.server.connections += 1
+
     def log_message(self, *args: Any) -> None:
         pass
+
+    def parse_request(self) -> bool:
+        """The request line and header fields of a plain HTTP/1.x request, read without the `email` parser that
+        `BaseHTTPRequestHandler` uses (most of this server's time per ranged GET: a real server costs little per
+        request, and on the benchmark's loopback this one shares the client's cores); anything else as it does."""
+        words = self.raw_requestline.decode("latin-1").split()
+        if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
+            return super().parse_request()
+        self.command, self.path, self.request_version = words
+        self.requestline = " ".join(words)
+        self.headers = email.message.Message()
+        while (line := self.rfile.readline(65537)) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            self.headers[name.strip()] = value.strip()
+        connection = (self.headers.get("Connection") or "").lower()
+        self.close_connection = connection == "close" or (words[2] == "HTTP/1.0" and connection != "keep-alive")
+        return True
 
     def do_HEAD(self) -> None:
         self._answer(body=False)
@@ -92,8 +117,8 @@ class _Handler(BaseHTTPRequestHandler):
             if failure == "503":
                 self._send(503, {"Content-Length": "4"}, b"busy")
                 return
-            if failure == "cut":
-                self._send_file(status, file, start, end, size, cut=True)
+            if failure in ("cut", "stall"):
+                self._send_file(status, file, start, end, size, cut=failure)
                 return
         if not body:
             self._send(200, {"Content-Length": str(size), "Accept-Ranges": "bytes"}, b"")
@@ -109,7 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.sent += len(data)
         self.wfile.write(data)
 
-    def _send_file(self, status: int, file: Path, start: int, end: int, size: int, cut: bool = False) -> None:
+    def _send_file(self, status: int, file: Path, start: int, end: int, size: int, cut: str = "") -> None:
         self.send_response(status)
         self.send_header("Content-Length", str(end - start))
         self.send_header("Accept-Ranges", "bytes")
@@ -128,9 +153,12 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 at += n
                 todo -= n
+        if cut == "stall":
+            self.connection.recv(1)  # until the client gives up and closes the connection
         if cut:
             self.close_connection = True
-            self.connection.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):  # the client may have hung up first
+                self.connection.shutdown(socket.SHUT_RDWR)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ or the caller itself for one worker or a small input. `map_chunks` keeps order, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import threading
@@ -189,9 +190,28 @@ def run(
     total = sum(t.nbytes for t in tensors)
     jobs = max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
     max_bytes = chunk_bytes(jobs)
-    tasks = _tasks(reader, tensors, max_bytes, align, unit, getattr(make_kernel(), "whole", False))
+    whole = getattr(make_kernel(), "whole", False)
+    tasks = _tasks(reader, tensors, max_bytes, align, unit, whole)
     work = _Worker(reader, tensors, tasks, make_kernel, max_bytes, align, unit)
-    return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
+    with _read_ahead([reader], [() if whole else tensors]):
+        return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
+
+
+@contextlib.contextmanager
+def _read_ahead(readers: list[Any], sides: list[Sequence[Any]]) -> Iterator[None]:
+    """Tells each reader (that can use it: a remote one) the tensors whose chunks the run reads, in the order the
+    workers take them, for the run's time. Not the tensors one worker reads whole (a hash's, a transposed
+    pair's): the workers would wait on one another's read-ahead."""
+    advise = [getattr(reader, "will_read", None) for reader in readers]
+    for will_read, tensors in zip(advise, sides, strict=True):
+        if will_read is not None:
+            will_read(tensors)
+    try:
+        yield
+    finally:
+        for will_read in advise:
+            if will_read is not None:
+                will_read(())
 
 
 def _ignore(n: int) -> None:
@@ -357,7 +377,10 @@ def run_pairs(
     if run:
         tasks.append(_PairTask(run[0], batch=tuple(run)))
     work = _PairWorker(readers, pairs, tasks, make_kernel, max_bytes, block)
-    return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
+    # each pair read in chunks, once, in the order its first chunk is taken
+    chunked = [pairs[i] for i in dict.fromkeys(t.pair for t in tasks if not (t.whole or t.stream or t.batch))]
+    with _read_ahead(list(readers), [[a for a, _ in chunked], [b for _, b in chunked]]):
+        return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
 
 
 class _PairWorker(_Worker):

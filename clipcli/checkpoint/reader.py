@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -61,6 +61,7 @@ class Checkpoint:
         self._zips: dict[str, tuple[zipfile.ZipFile, BinaryIO]] = {}
         self._zips_lock = threading.Lock()  # threads streaming members of one zip open its directory once
         self._crcs = ReadLog()
+        self._read_on: dict[tuple[str, int], int] = {}  # (file, a tensor's start) -> where reads go on to (will_read)
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -182,10 +183,14 @@ class Checkpoint:
             source = self.store.source(file)
         except OSError as e:
             raise MissingFileError(e.strerror or str(e), file) from e
+        within = getattr(source, "read_within", None)  # a remote source's read-ahead, up to where reads go on
+        end = None
+        if within is not None and isinstance(t.location, Span):
+            end = self._read_on.get((file, t.location.offset), t.location.offset + t.nbytes)
         got = 0
         try:
             while got < len(view):
-                k = source.read_into(at + got, view[got:])
+                k = source.read_into(at + got, view[got:]) if end is None else within(at + got, view[got:], end)
                 if not k:
                     raise MalformedError("the file ends before the tensor's data does", file, t.name)
                 got += k
@@ -193,6 +198,22 @@ class Checkpoint:
             raise InputError(f"cannot read: {e.strerror or e}", file, t.name) from e
         finally:
             self.store.release(source)
+
+    def will_read(self, tensors: Sequence[TensorInfo]) -> None:
+        """Says whose bytes the reads to come take, in this order (`()`: nothing said). A source that reads ahead
+        (a remote one: `read_within`) then reads on across the tensors that follow one another in a file."""
+        read_on: dict[tuple[str, int], int] = {}
+        run: list[tuple[str, int]] = []  # the starts of tensors lying one after another, in order
+        end = -1
+        for t in [*tensors, None]:
+            span = t is not None and isinstance(t.location, Span)
+            if not (span and run and t.file == run[-1][0] and t.location.offset == end):
+                read_on.update(dict.fromkeys(run, end))
+                run = []
+            if span:
+                run.append((t.file, t.location.offset))
+                end = t.location.offset + t.nbytes
+        self._read_on = read_on
 
     def check(self, t: TensorInfo, data: np.ndarray) -> None:
         """Checks a tensor's bytes read whole in a larger read: a stored zip member's CRC-32.

@@ -29,6 +29,8 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 ATTEMPTS = 5  # tries of one request before its error is the user's
 BACKOFF_S = 0.1  # the wait before the second try; doubled before each next one
 _HEAD_BUFFER = 64 << 10  # bytes a header read asks for at once (a safetensors header: one or two requests)
+_WAIT_S = 2.0  # how long a read waits for the thread reading the bytes before it in a stream (`_Streams`)
+_STREAMS = 16  # ranged GETs a file keeps open for the reads to come
 INSTALL = "pip install 'clipcli[remote]'"
 _PACKAGES = {  # what a protocol needs beyond fsspec (the name to install, for the message)
     "s3": "s3fs",
@@ -99,7 +101,10 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
 
 class RemoteSource:
     """One remote file: its size (asked once) and ranged reads, each retried on transient failures. Its first
-    `_HEAD_BUFFER` bytes are fetched once and kept: the registry, the format and the header all read them."""
+    `_HEAD_BUFFER` bytes are fetched once and kept: the registry, the format and the header all read them.
+
+    `read_within` reads ahead where the file system can leave a ranged GET open (`httpfs`): see `_Streams`.
+    """
 
     def __init__(self, store: RemoteStore, url: str, size: int):
         self.name = url
@@ -107,6 +112,8 @@ class RemoteSource:
         self._size = size
         self._head: bytes | None = None
         self._head_lock = threading.Lock()
+        open_range = getattr(store.fs, "open_range", None)
+        self._streams = None if open_range is None else _Streams(lambda start, end: open_range(url, start, end))
 
     def size(self) -> int:
         return self._size
@@ -123,6 +130,21 @@ class RemoteSource:
             return n
         self._get_into(offset, view[:n])
         return n
+
+    def read_within(self, offset: int, view: memoryview, end: int) -> int:
+        """`read_into`, for a reader whose reads go on in order (from any of its threads) up to byte `end`: the
+        bytes come from one ranged GET up to `end`, left open for the reads that follow (`_Streams`)."""
+        n = max(0, min(len(view), self._size - offset))
+        if self._streams is None or offset + n <= _HEAD_BUFFER or not n:
+            return self.read_into(offset, view)
+        end = min(max(end, offset + n), self._size)
+        streams = self._streams
+        retried(lambda: streams.read_into(offset, view[:n], end))
+        return n
+
+    def close(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
 
     def _get_into(self, offset: int, view: memoryview) -> None:
         read_into = getattr(self._store.fs, "read_into", None)
@@ -141,6 +163,98 @@ class RemoteSource:
             return data
 
         return retried(get)
+
+
+class _Stream:
+    """A ranged GET of one file's bytes [at, end) being read in order: `body` is None until it is sent."""
+
+    def __init__(self, at: int, end: int):
+        self.at, self.end = at, end
+        self.body: Any = None
+        self.busy = True  # a thread is sending it or reading from it
+
+
+class _Streams:
+    """Read-ahead for one file: ranged GETs left open, each read in order by whichever thread asks for its next
+    bytes, so a tensor's chunks cost one request, and the server sends on while the threads compute.
+
+    A read at `offset` takes the stream that has got there; waits while another thread reads the bytes before it
+    (they were handed out in order: that thread asks for them next); or opens a stream from `offset` to the
+    caller's `end`, never beyond where another stream starts (no byte is asked for twice). After `_WAIT_S` in
+    vain, a stream that no read came back to (its reader failed, or stopped) is given up, and a read behind a slow
+    one reads its own range alone. What waits in a stream's socket is bounded by the kernel's buffers; streams left
+    unread are closed past `_STREAMS` and with the file.
+    """
+
+    def __init__(self, open_range: Any):
+        self._open = open_range  # (start, end) -> a body with read_into(view), close() and left
+        self._streams: list[_Stream] = []
+        self._changed = threading.Condition()
+
+    def read_into(self, offset: int, view: memoryview, end: int) -> None:
+        stream = self._take(offset, offset + len(view), end)
+        try:
+            if stream.body is None:
+                stream.body = self._open(stream.at, stream.end)
+            stream.body.read_into(view)
+        except BaseException:
+            self._drop(stream)
+            raise
+        with self._changed:
+            stream.at += len(view)
+            stream.busy = False
+            if stream.at >= stream.end and stream in self._streams:
+                self._streams.remove(stream)
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            for stream in self._streams:
+                if stream.body is not None and not stream.busy:
+                    stream.body.close()
+            self._streams.clear()
+
+    def _take(self, offset: int, stop: int, end: int) -> _Stream:
+        """The stream this read is to come from, marked busy (a new one, or one for this read alone)."""
+        deadline = time.monotonic() + _WAIT_S
+        with self._changed:
+            while True:
+                ahead = next((s for s in self._streams if s.at <= offset < s.end), None)
+                if ahead is None:
+                    until = min([end, *(s.at for s in self._streams if offset < s.at)])  # no byte asked twice
+                    stream = _Stream(offset, max(until, stop))
+                    self._streams.append(stream)
+                    self._limit()
+                    return stream
+                if ahead.at == offset and not ahead.busy:
+                    ahead.busy = True
+                    return ahead
+                left = deadline - time.monotonic()
+                if left <= 0 and ahead.busy:  # a read before this one is slow: this one reads alone
+                    return _Stream(offset, stop)
+                if left <= 0:  # no read came for the bytes before this one's: the stream is given up
+                    self._streams.remove(ahead)
+                    if ahead.body is not None:
+                        ahead.body.close()
+                    continue
+                self._changed.wait(left)
+
+    def _drop(self, stream: _Stream) -> None:
+        """Forgets a stream after a failure (its body closed): the retry opens another from where it was."""
+        if stream.body is not None:
+            stream.body.close()
+        with self._changed:
+            if stream in self._streams:
+                self._streams.remove(stream)
+            self._changed.notify_all()
+
+    def _limit(self) -> None:
+        """Closes the oldest idle streams past `_STREAMS` (reads that never came back for the rest)."""
+        idle = [s for s in self._streams if not s.busy]
+        for stream in idle[: max(0, len(self._streams) - _STREAMS)]:
+            if stream.body is not None:
+                stream.body.close()
+            self._streams.remove(stream)
 
 
 class RemoteStore:
@@ -226,6 +340,8 @@ class RemoteStore:
         raise RuntimeError("a remote store is read by threads, not forked workers")
 
     def close(self) -> None:
+        for source in self._sources.values():
+            source.close()
         close = getattr(self.fs, "close_connections", None)  # httpfs's; fsspec's file systems keep theirs
         if close is not None:
             close()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from clipcli.checkpoint import open_checkpoint
+from clipcli.checkpoint import httpfs, open_checkpoint
 from clipcli.checkpoint import remote as _remote
 from clipcli.errors import ExitStatus, InputError, MissingFileError, UsageError
 from tests.helpers import DATA, SAMPLES
@@ -96,6 +96,57 @@ def test_a_transient_failure_is_retried_and_the_values_are_the_same(tmp_path, qu
         np.testing.assert_array_equal(ckpt.read(ckpt.tensors[0]), values)
         assert len(server.requests) == 3  # two failures, then the read
         assert not server.fail
+
+
+def test_a_body_that_stalls_is_given_up_after_the_timeout_and_retried(tmp_path, quick, monkeypatch):
+    # a body is received by one blocking recv (MSG_WAITALL): its timeout must still end the wait, as transient
+    monkeypatch.setattr(httpfs, "_TIMEOUT_S", 0.2)
+    path = tmp_path / "a.safetensors"
+    values = np.random.default_rng(1).standard_normal(1 << 20).astype(np.float32)
+    save_file({"a": values}, str(path))
+    with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
+        server.fail = ["stall"]
+        server.reset()
+        np.testing.assert_array_equal(ckpt.read(ckpt.tensors[0]), values)
+        assert len(server.requests) == 2  # the stalled one, then the read
+        assert not server.fail
+
+
+def test_a_tensor_read_in_chunks_is_one_ranged_get_read_on(tmp_path):
+    path = tmp_path / "a.safetensors"
+    values = np.random.default_rng(2).standard_normal(3 << 20).astype(np.float32)  # 12 MiB
+    save_file({"a": values, "b": values[:1000]}, str(path))
+    with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
+        a = next(t for t in ckpt.tensors if t.name == "a")
+        server.reset()
+        got = np.concatenate([c.copy() for c in ckpt.chunks(a, 1 << 20)])
+        np.testing.assert_array_equal(got, values)
+        first = a.location.offset
+        assert server.requests == [("GET", "/a.safetensors", f"bytes={first}-{first + (12 << 20) - 1}")]
+        assert server.sent == 12 << 20  # nothing of b
+        assert server.connections == 1
+
+
+def test_a_stream_no_read_comes_back_to_is_given_up(tmp_path, monkeypatch):
+    # read-ahead: a read past a stream's place waits for the thread reading the bytes before it, then gives it up
+    monkeypatch.setattr(_remote, "_WAIT_S", 0.05)
+    path = tmp_path / "a.bin"
+    data = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    with range_server({"a.bin": path}) as server:
+        store, url = _remote.open_store(f"{server.url}/a.bin")
+        try:
+            source = store.source(url)
+            server.reset()
+            reads = [(1 << 20, 1 << 20), (3 << 20, 1 << 19), (7 << 19, 1 << 19)]  # the 2nd MiB is never read
+            for offset, n in reads:
+                buf = bytearray(n)
+                assert source.read_within(offset, memoryview(buf), 4 << 20) == n
+                assert bytes(buf) == data[offset : offset + n].tobytes()
+            assert [r for _, _, r in server.requests] == [f"bytes={o}-{(4 << 20) - 1}" for o, _ in reads[:2]]
+            assert server.connections == 2
+        finally:
+            store.close()
 
 
 def test_a_failure_that_persists_is_one_input_error(tmp_path, quick):

@@ -4,6 +4,7 @@ HTTP needs no extra; S3 and the Hub (fsspec, s3fs, huggingface_hub, moto) skip w
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from clipcli.checkpoint import open_checkpoint
 from clipcli.checkpoint import remote as _remote
 from tests.helpers import DATA, SAMPLES, fnorm, ok, run
 from tests.servers import hub_routes, range_server, s3_server
@@ -66,6 +68,18 @@ def files(tmp_path_factory) -> dict[str, Path]:
         f.truncate(8 + len(header) + (80 << 20) - 4)
         f.seek(0, 2)
         f.write(np.float32(3).tobytes())
+    many = tmp / "many.safetensors"  # 8 tensors of 12 MiB (holes, and each one's number at its end)
+    header = json.dumps(
+        {
+            f"m{i}": {"dtype": "F32", "shape": [3 << 20], "data_offsets": [i * (12 << 20), (i + 1) * (12 << 20)]}
+            for i in range(8)
+        }
+    ).encode()
+    with open(many, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for i in range(8):
+            f.seek(8 + len(header) + (i + 1) * (12 << 20) - 4)
+            f.write(np.float32(i + 1).tobytes())
     values = tmp / "values.safetensors"
     rng = np.random.default_rng(7)
     save_file({f"layer{i}.w": rng.standard_normal(1 << 20).astype(np.float32) for i in range(6)}, str(values))
@@ -75,6 +89,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "big.safetensors": big,
         "values.safetensors": values,
         "wide.safetensors": wide,
+        "many.safetensors": many,
     }
     for p in (SAMPLES / "sharded").iterdir():
         out[f"sharded/{p.name}"] = p
@@ -145,6 +160,32 @@ def test_include_fetches_only_the_selected_tensors(http):
     assert http.sent == (64 << 10) + 4000  # the header's first read, then the 4000 bytes of `small`
 
 
+@pytest.mark.parametrize("jobs", ["1", "3", "8"])
+def test_read_ahead_asks_for_every_selected_byte_once_and_for_no_other(http, files, jobs):
+    # the chunks of tensors lying together come from ranged GETs left open for the next ones (remote._Streams),
+    # whichever thread reads them
+    with open_checkpoint(files["many.safetensors"]) as ckpt:
+        spans = {t.name: (t.location.offset, t.location.offset + t.nbytes) for t in ckpt.tensors}
+    selected = [spans["m1"], (spans["m3"][0], spans["m4"][1]), spans["m6"]]  # m3 and m4 lie together
+    http.reset()
+    url = f"{http.url}/many.safetensors"
+    report = as_json("global-norm", url, "--include", "m[1346]", "--jobs", jobs)
+    assert report["checkpoints"][0]["global_norm"] == float(np.sqrt(4 + 16 + 25 + 49))
+    asked = sorted(_asked(r) for method, _, r in http.requests if method == "GET" and r != "bytes=0-65535")
+    assert all(any(a <= start and end <= b for a, b in selected) for start, end in asked)  # nothing else
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(asked))  # nothing twice
+    assert sum(end - start for start, end in asked) == 4 * (12 << 20)  # everything
+    assert http.sent == (64 << 10) + 4 * (12 << 20)
+    if jobs == "1":
+        assert len(asked) == 3  # one request for each run of tensors lying together (m3 and m4), not one a chunk
+
+
+def _asked(header: str) -> tuple[int, int]:
+    """The bytes [start, end) a `Range: bytes=first-last` header asks for."""
+    first, last = header.removeprefix("bytes=").split("-")
+    return int(first), int(last) + 1
+
+
 @pytest.mark.parametrize("jobs", ["2", "8"])
 def test_the_workers_give_the_same_bytes_as_one(http, jobs):
     url = f"{http.url}/values.safetensors"
@@ -164,7 +205,7 @@ def test_a_failure_mid_stream_is_retried_and_the_result_is_the_same(http, quick,
     url = f"{http.url}/values.safetensors"
     expected = ok("global-norm", url, "--format", "json", "--jobs", "4").stdout
     http.reset()
-    http.fail = ["ok"] * 3 + [failure]  # the header is read; then a tensor's chunk fails once
+    http.fail = ["ok", failure]  # the header is read; then the read of the tensors' bytes fails once
     assert ok("global-norm", url, "--format", "json", "--jobs", "4").stdout == expected
     assert not http.fail
 

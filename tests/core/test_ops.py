@@ -671,6 +671,12 @@ def test_clipping_float32s_near_their_largest_keeps_the_scales_precision():
     st.floats(1e-300, 1e-100),
     st.booleans(),
 )
+@example(  # 3.69e-16 off: the norm of float64s is not correctly rounded (their squares are not exact in float64)
+    [1.3220497535691427e299, 3.3432892196717813e299, 9.171938415647707e299, -2.3769187720729693e299,
+     4.509756443968828e299, -5.752154588480493e299, 6.449284399362997e299, -8.413968917986006e299],
+    5.991456360741802e-101,
+    False,
+)  # fmt: skip
 def test_a_float64_scale_below_the_normal_range_keeps_its_bits(values, clip, as_complex):
     # found by a review: clip_norm / norm below 2**-1022 was a subnormal float64: clipping [3e300, 4e300] to
     # 1e-300 gave [0, 0], to 1e-20 was 4.8e-4 off. Now the scale's 53 bits are kept (two roundings, as
@@ -684,8 +690,9 @@ def test_a_float64_scale_below_the_normal_range_keeps_its_bits(values, clip, as_
     for got in (clip_by_norm(t, clip), clip_by_global_norm([t], clip)[0][0]):
         for v, g in zip(values, np.asarray(got).real.tolist(), strict=True):
             exact = Decimal(v) * Decimal(clip) / exact_norm
-            # three roundings (the norm, the scale, the product), or a subnormal spacing where the product is one
-            assert abs(Decimal(g) - exact) <= max(abs(exact) * Decimal("3.4e-16"), Decimal(2.0**-1074)), (v, g, exact)
+            # the norm (within 2**-52 of the exact one: float64 squares summed), the scale and the product each
+            # rounded, or a subnormal spacing where the product is one
+            assert abs(Decimal(g) - exact) <= max(abs(exact) * Decimal("4.5e-16"), Decimal(2.0**-1074)), (v, g, exact)
 
 
 def test_clipping_float64s_near_their_largest_to_a_tiny_norm():

@@ -9,6 +9,7 @@ from typing import Any, BinaryIO
 
 ALIGNMENT = 64  # torch's `.storage_alignment`
 _ZIP64_LIMIT = 0xFFFFFFFF  # miniz's: a size or offset this large or larger is written in a zip64 field
+_IN_ZIP64 = 0xFFFFFFFF  # what the 4-byte field holds then
 
 
 class Member:
@@ -73,10 +74,10 @@ class Archive:
             size = offset = None
             if m.size >= _ZIP64_LIMIT:
                 zip64 += struct.pack("<QQ", m.size, m.size)
-                size = _ZIP64_LIMIT
+                size = _IN_ZIP64
             if m.offset >= _ZIP64_LIMIT:
                 zip64 += struct.pack("<Q", m.offset)
-                offset = _ZIP64_LIMIT
+                offset = _IN_ZIP64
             if zip64:
                 zip64 = struct.pack("<HH", 1, len(zip64)) + zip64
             fields = (0x02014B50, 0, 0, 0x808, 0, 0, 0, m.crc, size or m.size, size or m.size, len(m.name))
@@ -86,9 +87,9 @@ class Archive:
         n, length = len(self.members), end - start
         self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, n, n, length, start))
         self._write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
-        self._write(
-            struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, min(length, _ZIP64_LIMIT), min(start, _ZIP64_LIMIT), 0)
-        )
+        count = min(n, 0xFFFF)  # more records than 65535, or a directory past 4 GiB: in the zip64 records alone
+        length32, start32 = (x if x < _ZIP64_LIMIT else _IN_ZIP64 for x in (length, start))
+        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, length32, start32, 0))
 
     def _write(self, data: Any) -> None:
         self.f.write(data)

@@ -274,8 +274,8 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
         if isinstance(obj, Placeholder):
             if label in metadata:
                 raise UnsupportedError(
-                    f"a {obj.name} object, which a .pt output cannot hold (torch.load(weights_only=True) refuses "
-                    "it); give --drop-metadata to write the tensors without it",
+                    f"metadata of {obj.name} (a placeholder: clipcli never runs it), which a .pt output cannot hold "
+                    "(torch.load(weights_only=True) refuses it); give --drop-metadata to write the tensors without it",
                     tensor=label,
                 )
             return _SKIP  # its tensors, if any, go to the top (below)

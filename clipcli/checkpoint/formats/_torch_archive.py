@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
 ALIGNMENT = 64  # torch's `.storage_alignment`
 _ZIP64_LIMIT = 0xFFFFFFFF  # miniz's: a size or offset this large or larger is written in a zip64 field
 _IN_ZIP64 = 0xFFFFFFFF  # what the 4-byte field holds then
+_OVERLAP_BYTES = 1 << 20  # a chunk this large has its CRC-32 computed while it is written
 
 
 class Member:
@@ -29,6 +31,7 @@ class Archive:
         self.folder = folder
         self.members: list[Member] = []
         self.at = 0
+        self._crcs: ThreadPoolExecutor | None = None
 
     def begin(self, record: str, size: int) -> Member:
         """Writes the local header of a record of `size` bytes; its data is to follow."""
@@ -49,10 +52,29 @@ class Archive:
         return m
 
     def data(self, m: Member, data: Any) -> None:
+        """Writes bytes of the record begun last; their CRC-32 is computed by a thread meanwhile (zlib's releases
+        the GIL), and is done when this returns (a chunk's buffer is reused once it does)."""
         view = memoryview(data).cast("B")
-        m.crc = zlib.crc32(view, m.crc)
+        if view.nbytes < _OVERLAP_BYTES:
+            m.crc = zlib.crc32(view, m.crc)
+        else:
+            if self._crcs is None:
+                self._crcs = ThreadPoolExecutor(1, thread_name_prefix="clipcli-crc")
+            crc = self._crcs.submit(zlib.crc32, view, m.crc)
+            try:
+                self._write(view)
+            finally:
+                m.crc = crc.result()
+            m.size += view.nbytes
+            return
         m.size += view.nbytes
         self._write(view)
+
+    def release(self) -> None:
+        """Ends the thread that computes CRC-32s, if one was started."""
+        if self._crcs is not None:
+            self._crcs.shutdown()
+            self._crcs = None
 
     def end(self, m: Member) -> None:
         """Writes the record's data descriptor (8-byte sizes where the record needs zip64)."""

@@ -397,27 +397,30 @@ def write(
             first.setdefault(t.storage, ref)
     pickle = _Pickler().dump(obj)
     archive = Archive(f, folder_of(f))
-    archive.record("data.pkl", pickle)
-    archive.record(".format_version", b"1")
-    archive.record(".storage_alignment", str(ALIGNMENT).encode())
-    archive.record("byteorder", b"little")
-    written: dict[str, tuple[int, int]] = {}  # a storage's key: where its data starts, and its CRC-32
-    for t in tensors:
-        ref = by_tensor[id(t)]
-        if t.name in tied:
-            expect(t, _check_tied(t, tied[t.name], written, chunks(t)))
-            continue
-        m = archive.begin(f"data/{ref.key}", t.nbytes)
-        start = archive.at
-        for chunk in chunks(t):
-            archive.data(m, np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
-        archive.end(m)
-        written[ref.key] = (start, m.crc)
-        expect(t, m.size)
-    archive.record("version", b"3\n")
-    digest = hashlib.sha256(pickle + b"".join(struct.pack("<IQ", m.crc, m.size) for m in archive.members)).digest()
-    archive.record(".data/serialization_id", b"%040d" % (int.from_bytes(digest, "little") % 10**40))
-    archive.close()
+    try:
+        archive.record("data.pkl", pickle)
+        archive.record(".format_version", b"1")
+        archive.record(".storage_alignment", str(ALIGNMENT).encode())
+        archive.record("byteorder", b"little")
+        written: dict[str, tuple[int, int]] = {}  # a storage's key: where its data starts, and its CRC-32
+        for t in tensors:
+            ref = by_tensor[id(t)]
+            if t.name in tied:
+                expect(t, _check_tied(t, tied[t.name], written, chunks(t)))
+                continue
+            m = archive.begin(f"data/{ref.key}", t.nbytes)
+            start = archive.at
+            for chunk in chunks(t):
+                archive.data(m, np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+            archive.end(m)
+            written[ref.key] = (start, m.crc)
+            expect(t, m.size)
+        archive.record("version", b"3\n")
+        digest = hashlib.sha256(pickle + b"".join(struct.pack("<IQ", m.crc, m.size) for m in archive.members)).digest()
+        archive.record(".data/serialization_id", b"%040d" % (int.from_bytes(digest, "little") % 10**40))
+        archive.close()
+    finally:
+        archive.release()
 
 
 def _check_tied(

@@ -215,9 +215,12 @@ def test_a_placeholder_is_refused_by_name_unless_metadata_is_dropped(tmp_path):
     assert result.exit_code == 3 and "argparse.Namespace" in result.stderr  # a dry run refuses what the write would
 
 
-def test_safetensors_metadata_is_left_out(tmp_path):
+def test_safetensors_metadata_is_refused_unless_dropped(tmp_path):
     source = write_st(tmp_path / "m.safetensors", {"w": np.ones(3, np.float32)}, {"format": "pt", "note": "x"})
-    ok("convert", source, "-o", tmp_path / "m.pt")
+    result = run("convert", source, "-o", tmp_path / "m.pt")
+    assert result.exit_code == 3 and "(2 entries: " in result.stderr and "--drop-metadata" in result.stderr
+    assert not (tmp_path / "m.pt").exists()
+    ok("convert", source, "-o", tmp_path / "m.pt", "--drop-metadata")
     assert js("inspect", tmp_path / "m.pt")["checkpoints"][0]["metadata"] == {}
 
 

@@ -234,18 +234,21 @@ def _layout(tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
     Raises:
         UnsupportedError: for a metadata leaf that is not plain data (a placeholder, a dtype, a set, ...).
     """
-    files = {t.file for t in tensors}
-    path = Path(next(iter(files))) if len(files) == 1 else None
-    if path is not None and not path.name.endswith(".distcp") and _is_torch_file(path):
+    if _from_one_torch_file(tensors):
+        path = Path(tensors[0].file)
         return _rebuild(_read_root(path), path.stem, tensors, metadata)
     return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
 
 
-def _is_torch_file(path: Path) -> bool:
+def _from_one_torch_file(tensors: list[TensorInfo]) -> bool:
+    """Whether the tensors all come from one torch.save file (not a distributed checkpoint's), read locally."""
     from clipcli.checkpoint.registry import file_format  # here: the registry imports the formats
 
+    files = {t.file for t in tensors}
+    if len(files) != 1 or tensors[0].file.endswith(".distcp"):
+        return False
     try:
-        return file_format(path) == "torch"
+        return file_format(Path(tensors[0].file)) == "torch"
     except OSError:
         return False
 
@@ -471,20 +474,22 @@ def check_tensor(t: TensorInfo) -> None:
 
 
 def check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
-    """Refuses, before anything is written, metadata a .pt output cannot hold (`_layout`): from a PyTorch file, a
-    leaf that is not plain data; from PyTorch shards or a distributed checkpoint, any (they are not rebuilt).
+    """Refuses, before anything is written, metadata a .pt output does not hold (`_layout`): from a PyTorch file, a
+    leaf that is not plain data (a placeholder); from any other input, any (strings of a safetensors header,
+    the leaves of PyTorch shards or of a distributed checkpoint): they would not load as a state dict.
 
     Raises:
         UnsupportedError: saying what, and that --drop-metadata writes the tensors without it.
     """
-    if source_format in ("sharded-torch", "distcp") and metadata:
-        keys = ", ".join(list(metadata)[:5]) + (", ..." if len(metadata) > 5 else "")
-        raise UnsupportedError(
-            f"the metadata ({len(metadata):,} entries: {keys}) of a checkpoint of several PyTorch files is not "
-            "written to a .pt; give --drop-metadata to write the tensors without it",
-            target,
-        )
     try:
+        if metadata and not _from_one_torch_file(tensors):
+            n = len(metadata)
+            keys = ", ".join(list(metadata)[:5]) + (", ..." if n > 5 else "")
+            raise UnsupportedError(
+                f"the metadata ({n:,} {'entry' if n == 1 else 'entries'}: {keys}) of a {source_format} checkpoint "
+                "has no place in a .pt (a state dict of tensors); give --drop-metadata to write the tensors "
+                "without it"
+            )
         _layout(tensors, metadata)
     except UnsupportedError as e:
         e.path = str(target)

@@ -20,7 +20,8 @@ storage and their values are checked to be equal when written (a clip that chang
 refused); other views are written as tensors of their own. What the object holds: from a PyTorch file, the
 structure it was saved with (its dicts, lists and tuples, in order), each tensor where it was, and the
 non-tensor leaves still in the checkpoint's metadata where they are plain data (numbers, strings, booleans,
-None, empty containers); from any other input, a dict of the tensors in order.
+None, empty containers, and bytes, sets, complex numbers, dtypes and devices, which torch's weights-only
+unpickler allows); from any other input, a dict of the tensors in order.
 """
 
 from __future__ import annotations
@@ -305,6 +306,8 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
 
     out = walk(root, None, 0)
     left = [t for t in tensors if t.name not in placed]
+    if out is _SKIP:  # the whole object left out (a placeholder, metadata dropped)
+        out = OrderedDict()
     if left:  # inside a placeholder left out, or not where the structure holds them: at the top, by name
         if not isinstance(out, dict):
             return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
@@ -405,18 +408,17 @@ def write(
         archive.record(".format_version", b"1")
         archive.record(".storage_alignment", str(ALIGNMENT).encode())
         archive.record("byteorder", b"little")
-        written: dict[str, tuple[int, int]] = {}  # a storage's key: where its data starts, and its CRC-32
+        written: dict[str, int] = {}  # a storage's key: the CRC-32 of its data
         for t in tensors:
             ref = by_tensor[id(t)]
             if t.name in tied:
                 expect(t, _check_tied(t, tied[t.name], written, chunks(t)))
                 continue
             m = archive.begin(f"data/{ref.key}", t.nbytes)
-            start = archive.at
             for chunk in chunks(t):
                 archive.data(m, np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
             archive.end(m)
-            written[ref.key] = (start, m.crc)
+            written[ref.key] = m.crc
             expect(t, m.size)
         archive.record("version", b"3\n")
         digest = hashlib.sha256(pickle + b"".join(struct.pack("<IQ", m.crc, m.size) for m in archive.members)).digest()
@@ -426,9 +428,7 @@ def write(
         archive.release()
 
 
-def _check_tied(
-    t: TensorInfo, first: _TensorRef, written: dict[str, tuple[int, int]], chunks: Iterable[np.ndarray]
-) -> int:
+def _check_tied(t: TensorInfo, first: _TensorRef, written: dict[str, int], chunks: Iterable[np.ndarray]) -> int:
     """Takes the chunks of a name that shares the storage of one written before, checking that they equal what
     was written (by their CRC-32); returns their byte count.
 
@@ -441,7 +441,7 @@ def _check_tied(
         data = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
         crc = zlib.crc32(data, crc)
         n += data.nbytes
-    if (n, crc) != (first.tensor.nbytes, written[first.key][1]):
+    if (n, crc) != (first.tensor.nbytes, written[first.key]):
         raise UnsupportedError(
             f"shares its storage with {first.tensor.name!r} (tied weights), but this write changes one and not "
             "the other: select both or neither, or write .safetensors (which holds them apart)",

@@ -215,13 +215,17 @@ def test_a_placeholder_is_refused_by_name_unless_metadata_is_dropped(tmp_path):
     assert result.exit_code == 3 and "argparse.Namespace" in result.stderr  # a dry run refuses what the write would
 
 
-def test_safetensors_metadata_is_refused_unless_dropped(tmp_path):
+def test_safetensors_metadata_is_refused_unless_dropped_but_its_layout_key(tmp_path):
     source = write_st(tmp_path / "m.safetensors", {"w": np.ones(3, np.float32)}, {"format": "pt", "note": "x"})
     result = run("convert", source, "-o", tmp_path / "m.pt")
-    assert result.exit_code == 3 and "(2 entries: " in result.stderr and "--drop-metadata" in result.stderr
+    assert result.exit_code == 3 and "(1 entry: note)" in result.stderr and "--drop-metadata" in result.stderr
     assert not (tmp_path / "m.pt").exists()
     ok("convert", source, "-o", tmp_path / "m.pt", "--drop-metadata")
     assert js("inspect", tmp_path / "m.pt")["checkpoints"][0]["metadata"] == {}
+    # `format` says how the file was written (every Hugging Face file has "pt"), not what it holds
+    source = write_st(tmp_path / "hf.safetensors", {"w": np.ones(3, np.float32)}, {"format": "pt"})
+    ok("convert", source, "-o", tmp_path / "hf.pt")
+    assert js("inspect", tmp_path / "hf.pt")["checkpoints"][0]["metadata"] == {}
 
 
 def test_clipping_a_pt_in_place_replaces_it_and_keeps_its_structure(tmp_path):

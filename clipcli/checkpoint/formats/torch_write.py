@@ -473,18 +473,32 @@ def check_tensor(t: TensorInfo) -> None:
         raise UnsupportedError(f"dtype {t.dtype} has no place in a .pt written by clipcli; write .safetensors or .npz")
 
 
+def _layout_keys(tensors: list[TensorInfo]) -> frozenset[str]:
+    """The metadata keys that say how the input's files were written, not what they hold (safetensors'
+    `format`): left out of a .pt, as `diff` leaves them out."""
+    from clipcli.checkpoint import registry  # here: the registry imports the formats
+
+    keys: frozenset[str] = frozenset()
+    for name in {registry.named_by(Path(t.file).name) for t in tensors}:
+        if name is not None:
+            keys |= registry.get(name).layout_keys
+    return keys
+
+
 def check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
     """Refuses, before anything is written, metadata a .pt output does not hold (`_layout`): from a PyTorch file, a
-    leaf that is not plain data (a placeholder); from any other input, any (strings of a safetensors header,
-    the leaves of PyTorch shards or of a distributed checkpoint): they would not load as a state dict.
+    leaf that is not plain data (a placeholder); from any other input, any but the layout keys (strings of a
+    safetensors header, the leaves of PyTorch shards or of a distributed checkpoint): a state dict has no place
+    for them.
 
     Raises:
         UnsupportedError: saying what, and that --drop-metadata writes the tensors without it.
     """
     try:
-        if metadata and not _from_one_torch_file(tensors):
-            n = len(metadata)
-            keys = ", ".join(list(metadata)[:5]) + (", ..." if n > 5 else "")
+        kept = [key for key in metadata if key not in _layout_keys(tensors)]
+        if kept and not _from_one_torch_file(tensors):
+            n = len(kept)
+            keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
             raise UnsupportedError(
                 f"the metadata ({n:,} {'entry' if n == 1 else 'entries'}: {keys}) of a {source_format} checkpoint "
                 "has no place in a .pt (a state dict of tensors); give --drop-metadata to write the tensors "

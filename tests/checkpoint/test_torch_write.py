@@ -180,6 +180,14 @@ def test_the_same_input_gives_the_same_bytes(tmp_path):
         (tmp_path / name).mkdir()
         ok("convert", TORCH_DATA / "nested.pt", "-o", tmp_path / name / "x.pt")
     assert (tmp_path / "a" / "x.pt").read_bytes() == (tmp_path / "b" / "x.pt").read_bytes()
+    rng = np.random.default_rng(0)
+    source = write_st(
+        tmp_path / "w.safetensors", {f"w{i}": rng.standard_normal((256, 1024), np.float32) for i in range(4)}
+    )
+    for jobs in ("1", "3"):  # the same bytes with any number of workers
+        (tmp_path / jobs).mkdir()
+        ok("clip-norm", source, "-o", tmp_path / jobs / "c.pt", "--clip-norm", "3", "--jobs", jobs, "--drop-metadata")
+    assert (tmp_path / "1" / "c.pt").read_bytes() == (tmp_path / "3" / "c.pt").read_bytes()
 
 
 def test_tied_names_share_one_storage_and_a_clip_that_separates_them_is_refused(tmp_path):

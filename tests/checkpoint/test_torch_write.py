@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pickle
 import pickletools
 import shutil
 import struct
@@ -20,9 +21,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import clipcli
-from clipcli.checkpoint.formats import _torch_archive
+from clipcli.checkpoint.formats import _torch_archive, torch_write
 from tests.helpers import DATA, digest, js, ok, run, write_st
 
 TORCH_DATA = DATA / "torch"
@@ -360,3 +363,48 @@ print("ok")
     if "has no attribute 'dtype'" in done.stderr:  # torch cannot load this legacy input itself (untyped storages)
         pytest.skip("torch.load of the input fails")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# -- the pickle, against Python's own unpickler (on values this test makes: nothing hostile) ------------------
+
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 300), max_value=1 << 300),
+    st.sampled_from([0, 255, 256, 65535, 65536, -1, -(1 << 31), (1 << 31) - 1, 1 << 31, -(1 << 31) - 1]),
+    st.floats(allow_nan=False),
+    st.text(),
+    st.binary(max_size=20),
+    st.complex_numbers(allow_nan=False),
+)
+_values = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=5),
+        st.lists(children, max_size=5).map(tuple),
+        st.dictionaries(st.one_of(st.text(), st.integers()), children, max_size=5),
+    ),
+    max_leaves=40,
+)
+
+
+class _EveryName:
+    """Metadata that holds every leaf's name: `_rebuild` keeps them all."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+def _pickled(value: object) -> bytes:
+    return torch_write._Pickler().dump(torch_write._rebuild(value, "x", [], _EveryName()))  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_values)
+def test_plain_metadata_pickles_as_python_reads_it(value):
+    assert pickle.loads(_pickled(value)) == value
+
+
+def test_more_than_256_memoized_globals_and_strings_pickle():
+    value = {f"k{i}": [i, -i, float(i), {1, 2, i}, b"ab", 1j] for i in range(400)}
+    assert pickle.loads(_pickled(value)) == value

@@ -377,7 +377,7 @@ _leaves = st.one_of(
     st.binary(max_size=20),
     st.complex_numbers(allow_nan=False),
 )
-_values = st.recursive(
+_plain_values = st.recursive(
     _leaves,
     lambda children: st.one_of(
         st.lists(children, max_size=5),
@@ -400,7 +400,7 @@ def _pickled(value: object) -> bytes:
 
 
 @settings(max_examples=200, deadline=None)
-@given(_values)
+@given(_plain_values)
 def test_plain_metadata_pickles_as_python_reads_it(value):
     assert pickle.loads(_pickled(value)) == value
 

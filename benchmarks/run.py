@@ -415,12 +415,20 @@ def main() -> None:
         print(f"\nverify of 10 shards, beyond start-up: {row['ours'] - row['baseline']:+.3f} s", flush=True)
 
     if "torch" in sections:
+        print("\n### PyTorch files\n")
+        header()
+        out_pt = DATA / "out.pt"
+        compare(
+            f"convert {gib:g} GiB float32 `.safetensors` to `.pt` vs `cat && cp`",
+            f"clipcli convert {q(str(f32))} -o {q(str(out_pt))} -q",
+            f"cat {q(str(f32))} > /dev/null && cp {q(str(f32))} {q(str(out_pt))}",
+            reps,
+            f"rm -f {q(str(out_pt))}",
+        )
         pt = ensure_torch(DATA / f"f32-{tag}.pt", f32, args.torch_python or sys.executable)
         if pt is None:
-            print("\n(no torch: the PyTorch rows are left out; give --torch-python)\n")
+            print("\n(no torch: the other PyTorch rows are left out; give --torch-python)\n")
         else:
-            print("\n### PyTorch files\n")
-            header()
             compare(
                 f"global-norm {gib:g} GiB float32 `.pt` vs the same tensors as `.safetensors`",
                 f"clipcli global-norm {q(str(pt))} -q",

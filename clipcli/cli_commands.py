@@ -453,9 +453,10 @@ def convert(
     """The same tensors in another format or layout: every value, dtype, shape, name and the metadata kept,
     or an error that says what would be lost.
 
-    PyTorch files (read without torch, never unpickled) become .safetensors or .npz; sharded checkpoints
-    merge into one file; one file splits into shards with --max-shard-size. Tensors that share storage in
-    a PyTorch file (tied weights) become separate copies, and the report says so. Tensors left out by
+    PyTorch files (read without torch, never unpickled) become .safetensors, .npz or .pt (torch's zip format,
+    which torch.load(weights_only=True) reads); sharded checkpoints merge into one file; one file splits into
+    shards with --max-shard-size. Tensors that share storage in a PyTorch file (tied weights) become separate
+    copies (in a .pt, one storage where they are the same view), and the report says so. Tensors left out by
     --include/--exclude are not written.
     """
     max_shard = None if max_shard_size is None else opts.parse_size(max_shard_size, "--max-shard-size")

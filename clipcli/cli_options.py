@@ -172,7 +172,7 @@ Output = Annotated[
         "-o",
         metavar="OUT",
         parser=parse_output,
-        help="Where to write: a .safetensors/.npz/.npy file (the suffix "
+        help="Where to write: a .safetensors/.npz/.npy/.pt file (the suffix "
         "picks the format) or, for sharded safetensors, a directory.",
     ),
 ]
@@ -181,8 +181,8 @@ DropMetadata = Annotated[
     bool,
     typer.Option(
         "--drop-metadata",
-        help="Write no metadata (an .npz or .npy has no place for it; without this, a checkpoint with metadata "
-        "is refused there).",
+        help="Write no metadata (an .npz or .npy has no place for it, a .pt none for placeholders such as an "
+        "argparse.Namespace; without this, such metadata is refused there).",
     ),
 ]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Compute and report, write nothing.")]
@@ -467,7 +467,7 @@ ConvertOutput = Annotated[
         metavar="OUT",
         parser=parse_output,
         show_default=False,
-        help="A .safetensors/.npz/.npy file (the suffix picks the format) or a directory of shards.",
+        help="A .safetensors/.npz/.npy/.pt file (the suffix picks the format) or a directory of shards.",
     ),
 ]
 MaxShardSize = Annotated[

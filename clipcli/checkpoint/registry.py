@@ -25,7 +25,7 @@ _BUILTIN: list[tuple[str, str, tuple[str, ...], bool]] = [  # name, module, suff
 ]
 _DIRECTORY_WRITER = "sharded"  # the format a directory output is written in
 # What to name instead of an output clipcli cannot write (in place: what the input could be converted to)
-_OUTPUT_HINTS = ("name a .safetensors, .npz or .npy file", "give -o OUT.safetensors (or .npz) instead")
+_OUTPUT_HINTS = ("name a .safetensors, .npz, .npy or .pt file", "give -o OUT.safetensors (or .npz, .pt) instead")
 _MODULES = {name: module for name, module, _, _ in _BUILTIN}
 _SUFFIXES = {name: suffixes for name, _, suffixes, _ in _BUILTIN}
 _DIRECTORIES = [name for name, _, _, directory in _BUILTIN if directory]

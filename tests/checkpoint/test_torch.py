@@ -982,6 +982,7 @@ def test_the_parsers_import_no_torch() -> None:
                     "clipcli.checkpoint.registry",  # what a file that is no torch.save file is, for a message
                     "clipcli.checkpoint.zipmember",
                     "clipcli.checkpoint.source",  # the store it reads through
+                    "clipcli.checkpoint.formats.torch_write",  # the FORMAT's writer of .pt files
                     "clipcli.errors",
                     "clipcli.checkpoint.formats._pickle",
                     "clipcli.checkpoint.formats._pickle_audit",

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from tests.helpers import ROOT, SAMPLES, digest, js, ok, pickletools_calls, run
+from tests.helpers import ROOT, SAMPLES, js, ok, pickletools_calls, run
 
 DATA = ROOT / "tests" / "data" / "torch"
 CORPUS = sorted(p for p in DATA.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
@@ -137,8 +137,9 @@ def test_clipping_a_pytorch_file_writes_safetensors(tmp_path):
     (c,) = js("clip-global-norm", DATA / "grads.pt", "-o", out, "--clip-norm", "1")["checkpoints"]
     assert c["global_norm_after"] == pytest.approx(1.0, rel=1e-6)
     assert js("global-norm", out)["checkpoints"][0]["global_norm"] == c["global_norm_after"]
-    result = run("clip-global-norm", DATA / "grads.pt", "-o", tmp_path / "clipped.pt", "--clip-norm", "1")
-    assert result.exit_code == 2 and "does not write them" in result.stderr
+    # since issue 24 item 6, .pt too (tests/checkpoint/test_torch_write.py)
+    (c,) = js("clip-global-norm", DATA / "grads.pt", "-o", tmp_path / "clipped.pt", "--clip-norm", "1")["checkpoints"]
+    assert js("global-norm", tmp_path / "clipped.pt")["checkpoints"][0]["global_norm"] == c["global_norm_after"]
 
 
 class _RunsCode:
@@ -299,15 +300,17 @@ def test_pytorch_shards_clip_to_one_file_and_are_never_written(tmp_path):
     assert {p.name: p.read_bytes() for p in SHARDED.iterdir()} == before
 
 
-def test_clipping_a_pytorch_file_in_place_is_refused_and_leaves_it(tmp_path):
-    # found by a fresh user (second review): --in-place on a PyTorch file (clipcli writes none) must be refused
+def test_clipping_a_pytorch_file_in_place_replaces_it(tmp_path):
+    # found by a fresh user (second review): --in-place on a PyTorch file was accepted while clipcli wrote none; since
+    # issue 24 item 6 it writes .pt, so the file is clipped in place (atomically) and stays a torch.save file
     path = tmp_path / "pytorch_model.bin"
     shutil.copy(SAMPLES / "pytorch_model.bin", path)
-    before = digest(path)
-    result = run("clip-value", path, "--in-place", "--min", "-1", "--max", "1")
-    assert result.exit_code == 2
-    assert "--in-place" in result.stderr and "does not write them; give -o OUT.safetensors" in result.stderr
-    assert digest(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_model.bin"]
+    before = js("inspect", path)["checkpoints"][0]
+    ok("clip-value", path, "--in-place", "--min", "-1", "--max", "1")
+    after = js("inspect", path)["checkpoints"][0]
+    assert after["format"] == "torch" and after["pickle"]["loads_with_weights_only"] is True
+    assert [t["name"] for t in after["tensors"]] == [t["name"] for t in before["tensors"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_model.bin"]
 
 
 def test_a_directory_with_both_kinds_of_shards_reads_the_safetensors_and_loose_files_never_win(tmp_path):

@@ -57,6 +57,7 @@ from clipcli.checkpoint.formats._torchscript import (
     declared_classes,
     module_state,
 )
+from clipcli.checkpoint.formats.torch_write import check_file, check_tensor, write
 from clipcli.checkpoint.plugin import Finding, Format, Opened, refusals
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Held, Piece, Pieces, Span, TensorInfo
@@ -278,6 +279,21 @@ def _read(
     item = name is not None
     metadata, tensors = flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, item)
     return metadata, tensors, script
+
+
+def read_root(path: Path, store: Store = LOCAL) -> Any:
+    """The object a torch.save file holds, as the pickle machine builds it (tensors as records, never their data),
+    for a writer that keeps its structure (`torch_write`).
+
+    Raises:
+        what `read_torch` raises.
+    """
+    with store.open(path) as f:
+        region = _Region(f, 0, size_of(f))
+        head = region.pread(0, 512)
+        if head.startswith(_ZIP):
+            return _read_zip(region, Audit())[0]
+        return _read_legacy(region, head, Audit())[0]
 
 
 # what zipfile raises for a damaged archive (see formats/npz.py, which reads .npz the same way)
@@ -586,4 +602,8 @@ FORMAT = Format(
     open=open_audited,
     plural="PyTorch files",
     findings=findings,
+    write=write,
+    check_tensor=check_tensor,
+    check_file=check_file,
+    c_order=True,
 )

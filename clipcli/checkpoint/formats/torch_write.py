@@ -1,0 +1,510 @@
+"""Writing PyTorch files: a state dict in torch's zip format, as `torch.save` of torch 2.13 lays it out.
+
+The archive's records, all stored, in `torch.save`'s order under one folder named after the file's stem:
+`data.pkl` (a protocol 2 pickle), `.format_version` (`1`), `.storage_alignment` (`64`), `byteorder`
+(`little`), `data/0`, `data/1`, ... (one storage per tensor, in C order), `version` (`3\\n`) and
+`.data/serialization_id`. As torch's writer (miniz) does, every local header has no CRC and no sizes
+(flag bit 3: a data descriptor follows the data), an extra field `FB` pads it so that each record's data
+starts on a multiple of 64 bytes, and the directory ends with zip64 records. A record of 4 GiB or more, or
+one that starts past 4 GiB, gets a zip64 extra field in its local header (its sizes, or its offset, as
+miniz writes it) and in the directory, and a data descriptor of 8-byte sizes.
+
+The pickle is what torch writes for a tensor: `torch._utils._rebuild_tensor_v2(storage, offset, size,
+stride, False, OrderedDict())`, the storage a persistent id `('storage', torch.FloatStorage, '0', 'cpu',
+numel)`; dtypes without a typed storage class (float8, uint16/32/64) as torch writes them,
+`_rebuild_tensor_v3(..., dtype)` over a `torch.storage.UntypedStorage` of bytes.
+
+Choices where torch leaves room: the serialization id (random in torch) is a digest of the records, so the
+same input gives the same bytes; names on one storage (tied weights) that are the same view share one
+storage and their values are checked to be equal when written (a clip that changes one but not the other is
+refused); other views are written as tensors of their own. What the object holds: from a PyTorch file, the
+structure it was saved with (its dicts, lists and tuples, in order), each tensor where it was, and the
+non-tensor leaves still in the checkpoint's metadata where they are plain data (numbers, strings, booleans,
+None, empty containers, and bytes, sets, complex numbers, dtypes and devices, which torch's weights-only
+unpickler allows); from any other input, a dict of the tensors in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
+from clipcli.checkpoint.tensor import Pieces, Span, TensorInfo
+from clipcli.errors import UnsupportedError
+
+# dtype name -> the typed storage class torch pickles it with (None: an UntypedStorage, `_rebuild_tensor_v3`)
+_STORAGE = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex128": "ComplexDoubleStorage",
+    "complex64": "ComplexFloatStorage",
+    "float8_e4m3fn": None,
+    "float8_e5m2": None,
+    "float8_e4m3fnuz": None,
+    "float8_e5m2fnuz": None,
+    "float8_e8m0fnu": None,
+    "uint16": None,
+    "uint32": None,
+    "uint64": None,
+}
+
+
+# -- the pickle ------------------------------------------------------------------------------------
+
+
+class _TensorRef:
+    """A tensor of the output where the object holds it, with the storage key it is written under."""
+
+    __slots__ = ("key", "numel_of_storage", "tensor")
+
+    def __init__(self, tensor: TensorInfo):
+        self.tensor = tensor
+        self.key = ""
+        self.numel_of_storage = 0
+
+
+class _Call:
+    """A value pickled as a call of a global on plain arguments (a set, a complex, bytes, a torch.device), or,
+    with `args` None, the global itself (a dtype): what torch's weights-only unpickler allows."""
+
+    __slots__ = ("args", "module", "name")
+
+    def __init__(self, module: str, name: str, args: tuple[Any, ...] | None = None):
+        self.module, self.name, self.args = module, name, args
+
+
+class _Pickler:
+    """Protocol 2 pickle opcodes for the few kinds of object a state dict holds; globals and the strings of
+    persistent ids are memoized, as Python's pickler does."""
+
+    def __init__(self) -> None:
+        self.out = bytearray(b"\x80\x02")
+        self._memo: dict[Any, int] = {}
+
+    def dump(self, obj: Any) -> bytes:
+        self._save(obj)
+        self.out += b"."
+        return bytes(self.out)
+
+    def _put(self, key: Any) -> None:
+        n = self._memo[key] = len(self._memo)
+        self.out += b"q" + bytes([n]) if n < 256 else b"r" + struct.pack("<I", n)
+
+    def _memoized(self, key: Any) -> bool:
+        n = self._memo.get(key)
+        if n is None:
+            return False
+        self.out += b"h" + bytes([n]) if n < 256 else b"j" + struct.pack("<I", n)
+        return True
+
+    def _global(self, module: str, name: str) -> None:
+        if not self._memoized(("global", module, name)):
+            self.out += f"c{module}\n{name}\n".encode()
+            self._put(("global", module, name))
+
+    def _string(self, text: str, memo: bool = False) -> None:
+        if memo and self._memoized(("str", text)):
+            return
+        data = text.encode("utf-8", "surrogatepass")
+        self.out += b"X" + struct.pack("<I", len(data)) + data
+        if memo:
+            self._put(("str", text))
+
+    def _save(self, obj: Any) -> None:
+        t = type(obj)
+        if obj is None:
+            self.out += b"N"
+        elif t is bool:
+            self.out += b"\x88" if obj else b"\x89"
+        elif t is int:
+            self._int(obj)
+        elif t is float:
+            self.out += b"G" + struct.pack(">d", obj)
+        elif t is str:
+            self._string(obj)
+        elif t is tuple:
+            self._tuple(obj)
+        elif t is list:
+            self.out += b"]"
+            for i in range(0, len(obj), 1000):
+                self.out += b"("
+                for item in obj[i : i + 1000]:
+                    self._save(item)
+                self.out += b"e"
+        elif t in (dict, OrderedDict):
+            if t is OrderedDict:
+                self._global("collections", "OrderedDict")
+                self.out += b")R"
+            else:
+                self.out += b"}"
+            items = list(obj.items())
+            for i in range(0, len(items), 1000):
+                self.out += b"("
+                for k, v in items[i : i + 1000]:
+                    self._save(k)
+                    self._save(v)
+                self.out += b"u"
+        elif t is _TensorRef:
+            self._tensor(obj)
+        elif t is _Call:
+            self._global(obj.module, obj.name)
+            if obj.args is not None:
+                self._tuple(obj.args)
+                self.out += b"R"
+        else:  # _layout lets nothing else through
+            raise AssertionError(f"no pickle for a {t.__name__}")
+
+    def _int(self, n: int) -> None:
+        if 0 <= n < 256:
+            self.out += b"K" + bytes([n])
+        elif 0 <= n < 65536:
+            self.out += b"M" + struct.pack("<H", n)
+        elif -(1 << 31) <= n < 1 << 31:
+            self.out += b"J" + struct.pack("<i", n)
+        else:
+            data = n.to_bytes(n.bit_length() // 8 + 1, "little", signed=True)
+            if n < 0 and len(data) > 1 and data[-1] == 0xFF and data[-2] & 0x80:
+                data = data[:-1]  # as pickle's encode_long
+            self.out += b"\x8a" + bytes([len(data)]) + data  # _layout refuses ints of more than 255 bytes
+
+    def _tuple(self, items: tuple[Any, ...]) -> None:
+        if not items:
+            self.out += b")"
+            return
+        if len(items) > 3:
+            self.out += b"("
+        for item in items:
+            self._save(item)
+        self.out += b"t" if len(items) > 3 else b"\x85\x86\x87"[len(items) - 1 : len(items)]
+
+    def _tensor(self, ref: _TensorRef) -> None:
+        t = ref.tensor
+        storage = _STORAGE[t.dtype]
+        self._global("torch._utils", "_rebuild_tensor_v2" if storage else "_rebuild_tensor_v3")
+        self.out += b"("
+        self.out += b"("  # the persistent id
+        self._string("storage", memo=True)
+        if storage:
+            self._global("torch", storage)
+        else:
+            self._global("torch.storage", "UntypedStorage")
+        self._string(ref.key)
+        self._string("cpu", memo=True)
+        self._int(ref.numel_of_storage)
+        self.out += b"tQ"
+        self._int(0)
+        self._tuple(tuple(t.shape))
+        strides, step = [], 1
+        for n in reversed(t.shape):
+            strides.append(step)
+            step *= n
+        self._tuple(tuple(reversed(strides)))
+        self.out += b"\x89"
+        self._global("collections", "OrderedDict")
+        self.out += b")R"
+        if not storage:
+            self._global("torch", t.dtype)
+        self.out += b"tR"
+
+
+# -- what the object holds ---------------------------------------------------------------------------
+
+_SKIP = object()  # what _layout gives for what the output leaves out
+
+
+def _layout(tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
+    """The object to pickle: the input's own structure (the tensors of one PyTorch file), or a dict of the
+    tensors in order.
+
+    Raises:
+        UnsupportedError: for a metadata leaf that is not plain data (a placeholder, a dtype, a set, ...).
+    """
+    if _from_one_torch_file(tensors):
+        path = Path(tensors[0].file)
+        return _rebuild(_read_root(path), path.stem, tensors, metadata)
+    return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
+
+
+def _from_one_torch_file(tensors: list[TensorInfo]) -> bool:
+    """Whether the tensors all come from one torch.save file (not a distributed checkpoint's), read locally."""
+    from clipcli.checkpoint.registry import file_format  # here: the registry imports the formats
+
+    files = {t.file for t in tensors}
+    if len(files) != 1 or tensors[0].file.endswith(".distcp"):
+        return False
+    try:
+        return file_format(Path(tensors[0].file)) == "torch"
+    except OSError:
+        return False
+
+
+def _read_root(path: Path) -> Any:
+    from clipcli.checkpoint.formats.torch import read_root  # here: torch's reader imports this module
+
+    return read_root(path)
+
+
+def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
+    """The object `root` (a PyTorch file's, as the pickle machine built it) with its tensors replaced by those
+    written and its leaves kept where they are still in `metadata`; names as `_torch_names.flatten` gives."""
+    from clipcli.checkpoint.formats._numpy_pickle import NumpyArray
+    from clipcli.checkpoint.formats._pickle import Placeholder
+    from clipcli.checkpoint.formats._torch_names import _children, _key_text
+    from clipcli.checkpoint.formats._torch_records import Storage, Tensor
+
+    by_name = {t.name: t for t in tensors}
+    placed: set[str] = set()
+
+    def walk(obj: Any, name: str | None, depth: int) -> Any:
+        label = root_name if name is None else name
+        if isinstance(obj, NumpyArray) and obj.placeholder is not None:
+            obj = obj.placeholder
+        if isinstance(obj, Placeholder):
+            if label in metadata:
+                raise UnsupportedError(
+                    f"metadata of {obj.name} (a placeholder: clipcli never runs it), which a .pt output cannot hold "
+                    "(torch.load(weights_only=True) refuses it); give --drop-metadata to write the tensors without it",
+                    tensor=label,
+                )
+            return _SKIP  # its tensors, if any, go to the top (below)
+        if isinstance(obj, (NumpyArray, Tensor, Storage)):
+            t = by_name.get(label)
+            if t is None:
+                return _SKIP  # not selected
+            placed.add(label)
+            return _TensorRef(t)
+        children = _children(obj)
+        if children is not None and (children or depth == 0):
+            kept = []
+            for key, value in children:
+                part = key if type(key) is str else _key_text(key)
+                item = walk(value, part if name is None else f"{name}.{part}", depth + 1)
+                if item is not _SKIP:
+                    kept.append((_plain_key(key, label), item))
+            if isinstance(obj, dict):
+                return (OrderedDict if type(obj) is not dict else dict)(kept)
+            return type(obj)(v for _, v in kept)
+        if label not in metadata:
+            return _SKIP
+        return _plain(obj, label)
+
+    out = walk(root, None, 0)
+    left = [t for t in tensors if t.name not in placed]
+    if out is _SKIP:  # the whole object left out (a placeholder, metadata dropped)
+        out = OrderedDict()
+    if left:  # inside a placeholder left out, or not where the structure holds them: at the top, by name
+        if not isinstance(out, dict):
+            return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
+        for t in left:
+            out[t.name] = _TensorRef(t)
+    return out
+
+
+def _plain(value: Any, name: str) -> Any:
+    """A metadata leaf a .pt output holds as it is: a number, string, boolean, None or empty container.
+
+    Raises:
+        UnsupportedError: for anything else, naming what it is.
+    """
+    t = type(value)
+    if value is None or t in (bool, float, str) or (t is int and value.bit_length() < 2000):
+        return value
+    if t in (dict, list, tuple) and not value:
+        return t()
+    if isinstance(value, dict) and not value:
+        return OrderedDict()
+    from clipcli.checkpoint.formats._pickle import kind
+    from clipcli.checkpoint.formats._torch_records import Device, Named
+
+    if t is complex:
+        return _Call("builtins", "complex", (value.real, value.imag))
+    if t is bytes:
+        return _Call("_codecs", "encode", (value.decode("latin-1"), "latin1"))
+    if t is set:
+        return _Call("builtins", "set", ([_plain(v, name) for v in sorted(value, key=repr)],))
+    if isinstance(value, Device):
+        return _Call("torch", "device", (value.text,))
+    if isinstance(value, Named) and value.dtype is not None and value.name.startswith("torch."):
+        return _Call("torch", value.name[len("torch.") :])
+
+    raise UnsupportedError(
+        f"a {kind(value)}, which clipcli does not write to a .pt (it writes numbers, strings, booleans, None, "
+        "bytes, sets, dtypes, devices and containers of them); give --drop-metadata to write the tensors without it",
+        tensor=name,
+    )
+
+
+def _plain_key(key: Any, name: str) -> Any:
+    if type(key) is tuple:
+        return tuple(_plain_key(k, name) for k in key)
+    return _plain(key, name)
+
+
+# -- the format's entry points ----------------------------------------------------------------------
+
+
+def _same_view(a: TensorInfo, b: TensorInfo) -> bool:
+    """Whether two names on one storage are the same view of it (then they share one storage when written)."""
+    if (a.dtype, a.shape, a.file) != (b.dtype, b.shape, b.file):
+        return False
+    la, lb = a.location, b.location
+    if isinstance(la, Span) and isinstance(lb, Span):
+        return la.offset == lb.offset
+    if isinstance(la, Pieces) and isinstance(lb, Pieces):
+        return (la.shape, la.pieces) == (lb.shape, lb.pieces)
+    return False
+
+
+def write(
+    f: BinaryIO,
+    tensors: list[TensorInfo],
+    metadata: dict[str, str],
+    chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
+    expect: Callable[[TensorInfo, int], None],
+) -> None:
+    """Writes the tensors, in order, as a torch.save archive (see the module's docstring).
+
+    Raises:
+        UnsupportedError: for a metadata leaf a .pt cannot hold, or tied names that this write makes differ.
+    """
+    obj = _layout(tensors, metadata)
+    refs: list[_TensorRef] = []
+    _collect(obj, refs)
+    by_tensor = {id(r.tensor): r for r in refs}
+    first: dict[str, _TensorRef] = {}  # a storage of the input: its first name written
+    tied: dict[str, _TensorRef] = {}  # a later name of the same view: the first's
+    keys = 0
+    for t in tensors:  # keys in the order the data is written (the pickle's order, but for names moved up)
+        ref = by_tensor[id(t)]
+        earlier = first.get(t.storage) if t.storage is not None else None
+        if earlier is not None and _same_view(earlier.tensor, t):
+            tied[t.name] = earlier
+            ref.key, ref.numel_of_storage = earlier.key, earlier.numel_of_storage
+            continue
+        ref.key, keys = str(keys), keys + 1
+        ref.numel_of_storage = t.size if _STORAGE[t.dtype] else t.nbytes
+        if t.storage is not None:
+            first.setdefault(t.storage, ref)
+    pickle = _Pickler().dump(obj)
+    archive = Archive(f, folder_of(f))
+    try:
+        archive.record("data.pkl", pickle)
+        archive.record(".format_version", b"1")
+        archive.record(".storage_alignment", str(ALIGNMENT).encode())
+        archive.record("byteorder", b"little")
+        written: dict[str, int] = {}  # a storage's key: the CRC-32 of its data
+        for t in tensors:
+            ref = by_tensor[id(t)]
+            if t.name in tied:
+                expect(t, _check_tied(t, tied[t.name], written, chunks(t)))
+                continue
+            m = archive.begin(f"data/{ref.key}", t.nbytes)
+            for chunk in chunks(t):
+                archive.data(m, np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+            archive.end(m)
+            written[ref.key] = m.crc
+            expect(t, m.size)
+        archive.record("version", b"3\n")
+        digest = hashlib.sha256(pickle + b"".join(struct.pack("<IQ", m.crc, m.size) for m in archive.members)).digest()
+        archive.record(".data/serialization_id", b"%040d" % (int.from_bytes(digest, "little") % 10**40))
+        archive.close()
+    finally:
+        archive.release()
+
+
+def _check_tied(t: TensorInfo, first: _TensorRef, written: dict[str, int], chunks: Iterable[np.ndarray]) -> int:
+    """Takes the chunks of a name that shares the storage of one written before, checking that they equal what
+    was written (by their CRC-32); returns their byte count.
+
+    Raises:
+        UnsupportedError: when they differ (a clip that changed one name of a tied pair and not the other).
+    """
+    n = 0
+    crc = 0
+    for chunk in chunks:
+        data = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+        crc = zlib.crc32(data, crc)
+        n += data.nbytes
+    if (n, crc) != (first.tensor.nbytes, written[first.key]):
+        raise UnsupportedError(
+            f"shares its storage with {first.tensor.name!r} (tied weights), but this write changes one and not "
+            "the other: select both or neither, or write .safetensors (which holds them apart)",
+            tensor=t.name,
+        )
+    return n
+
+
+def _collect(obj: Any, refs: list[_TensorRef]) -> None:
+    """The tensors an object holds, in the order its pickle names them."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if type(o) is _TensorRef:
+            refs.append(o)
+        elif isinstance(o, dict):
+            stack.extend(reversed([x for kv in o.items() for x in kv]))
+        elif type(o) in (list, tuple):
+            stack.extend(reversed(o))
+
+
+def check_tensor(t: TensorInfo) -> None:
+    """Refuses a tensor whose dtype a .pt does not hold (as clipcli writes it).
+
+    Raises:
+        UnsupportedError: naming the dtype.
+    """
+    if t.dtype not in _STORAGE or t.array_dtype is None:
+        raise UnsupportedError(f"dtype {t.dtype} has no place in a .pt written by clipcli; write .safetensors or .npz")
+
+
+def _layout_keys(tensors: list[TensorInfo]) -> frozenset[str]:
+    """The metadata keys that say how the input's files were written, not what they hold (safetensors'
+    `format`): left out of a .pt, as `diff` leaves them out."""
+    from clipcli.checkpoint import registry  # here: the registry imports the formats
+
+    keys: frozenset[str] = frozenset()
+    for name in {registry.named_by(Path(t.file).name) for t in tensors}:
+        if name is not None:
+            keys |= registry.get(name).layout_keys
+    return keys
+
+
+def check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
+    """Refuses, before anything is written, metadata a .pt output does not hold (`_layout`): from a PyTorch file, a
+    leaf that is not plain data (a placeholder); from any other input, any but the layout keys (strings of a
+    safetensors header, the leaves of PyTorch shards or of a distributed checkpoint): a state dict has no place
+    for them.
+
+    Raises:
+        UnsupportedError: saying what, and that --drop-metadata writes the tensors without it.
+    """
+    try:
+        kept = [key for key in metadata if key not in _layout_keys(tensors)]
+        if kept and not _from_one_torch_file(tensors):
+            n = len(kept)
+            keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
+            raise UnsupportedError(
+                f"the metadata ({n:,} {'entry' if n == 1 else 'entries'}: {keys}) of a {source_format} checkpoint "
+                "has no place in a .pt (a state dict of tensors); give --drop-metadata to write the tensors "
+                "without it"
+            )
+        _layout(tensors, metadata)
+    except UnsupportedError as e:
+        e.path = str(target)
+        raise

@@ -54,11 +54,14 @@ class Listing:
         w.writerow([cell(self.path), "", "", "", self.summary.elements, self.summary.nbytes, "", "global"])
 
 
-def _pickle_lines(audit: dict[str, Any] | None) -> list[str]:
+def _pickle_lines(audit: dict[str, Any] | None, fmt: str | None) -> list[str]:
     if audit is None:
         return []
-    verdict = "loads" if audit["loads_with_weights_only"] else "does not load"
-    lines = [f"  pickle: torch.load(weights_only=True) {verdict}; globals:"]
+    if fmt in ("npz", "npy"):  # object arrays: NumPy's loader, not torch's, would unpickle them
+        lines = ["  pickle (object arrays, which only np.load(allow_pickle=True) unpickles); globals:"]
+    else:
+        verdict = "loads" if audit["loads_with_weights_only"] else "does not load"
+        lines = [f"  pickle: torch.load(weights_only=True) {verdict}; globals:"]
     return lines + [f"    {g['name']} ({g['use']} x{g['count']})" for g in audit["globals"]]
 
 
@@ -95,7 +98,7 @@ class InspectReport(Report):
         for c in self.checkpoints:
             lines = [f"{c.path}: {c.format}, {c._counts()}"]
             lines += [f"  metadata {k} = {v}" for k, v in (c.metadata or {}).items()]
-            lines += _pickle_lines(c.pickle)
+            lines += _pickle_lines(c.pickle, c.format)
             lines += c._table(c.several_files)
             blocks.append(lines + shared_lines(c.shared, written=False))
         return blocks

@@ -78,6 +78,12 @@ def test_the_library_reads_an_object_member_as_its_pickles_bytes():
     assert got.dtype == np.uint8 and got.tobytes() == header_and_pickle(members(path)["cfg.npy"][0])[1]
 
 
+def test_the_table_names_numpys_loader_not_torchs_for_an_npz_audit():
+    # found in review: the inspect table said "torch.load(weights_only=True) does not load" of an .npz
+    text = run("inspect", NPZ / "objects.npz").stdout
+    assert "np.load(allow_pickle=True)" in text and "torch.load" not in text, text
+
+
 def test_an_npz_without_object_members_has_no_audit(tmp_path):
     path = tmp_path / "plain.npz"
     np.savez(path, w=np.ones(3, np.float32))

@@ -264,21 +264,24 @@ def _read(
     stop = size if end is None else end
     if not 0 <= start <= stop <= size:
         raise MalformedError(f"bytes {start}..{stop} are not inside the file ({size} bytes)")
-    region = _Region(f, start, stop)
+    root, storages, big_endian, pickle_size, script = _unpickled(_Region(f, start, stop), audit)
+    item = name is not None
+    metadata, tensors = flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, item)
+    return metadata, tensors, script
+
+
+def _unpickled(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, bool]:
+    """A zip or legacy file's object, storages, byte order, pickle size and whether it is TorchScript."""
     head = region.pread(0, 512)
-    big_endian = script = False
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        root, storages, big_endian, pickle_size, script = _read_zip(region, audit)
-    elif len(head) >= 262 and head[257:262] == b"ustar":
+    if head.startswith(_ZIP):
+        return _read_zip(region, audit)
+    if len(head) >= 262 and head[257:262] == b"ustar":
         raise UnsupportedError(
             "a torch.save file in the tar format that torch wrote until early 2017 (torch 0.1.x); load it with "
             "torch and save it again"
         )
-    else:
-        root, storages, pickle_size = _read_legacy(region, head, audit)
-    item = name is not None
-    metadata, tensors = flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, item)
-    return metadata, tensors, script
+    root, storages, pickle_size = _read_legacy(region, head, audit)
+    return root, storages, False, pickle_size, False
 
 
 def read_root(path: Path, store: Store = LOCAL) -> Any:
@@ -289,11 +292,7 @@ def read_root(path: Path, store: Store = LOCAL) -> Any:
         what `read_torch` raises.
     """
     with store.open(path) as f:
-        region = _Region(f, 0, size_of(f))
-        head = region.pread(0, 512)
-        if head.startswith(_ZIP):
-            return _read_zip(region, Audit())[0]
-        return _read_legacy(region, head, Audit())[0]
+        return _unpickled(_Region(f, 0, size_of(f)), Audit())[0]
 
 
 # what zipfile raises for a damaged archive (see formats/npz.py, which reads .npz the same way)

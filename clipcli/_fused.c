@@ -262,9 +262,12 @@ enum {
     OUT_PEAK, OUT_PEAK_AT, OUT_CASTS, STATS_LEN = OUT_CASTS + 3 * TARGETS,
 };
 #define ERROR_SUMS 9
-#define FLUSH_VALUES (1 << 16)
+#define COPIES 4 /* copies of the bins: value i to copy i % 4, so that runs of one binade do not wait on one another */
+#define FLUSH_VALUES (1 << 18) /* 2**16 a copy: the sums of f * f stay below 2**62 */
 
-typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -285,38 +288,37 @@ static const uint32_t NORMAL[TARGETS] = {0x387FE000, 0x7F8000, 0x3C700000, 0x386
 #define OVER_LEAST 0x43E80001u /* float8_e4m3fn's */
 
 typedef struct {
-    int64_t packed[4][512]; /* by u >> 23: sign and E */
-    uint64_t squares[4][512];
+    /* by u >> 23 (sign and E): the count and the sum of f packed, and the sum of f * f, side by side */
+    uint64_t pairs[COPIES][512 + 4][2] __attribute__((aligned(16)));
     int64_t counts[256], sums[256];
     unsigned __int128 square_sums[256];
     int64_t subnormal[SUBNORMAL_BINS];
 } stats_bins;
 
-/* Whether any lane of a mask is set (one test of the whole vector, not sixteen extractions). */
-static inline int any_lane(v16i m) {
-    uint64_t w[8];
+/* Whether any lane of a mask is set (one test of the whole vector, not eight extractions). */
+static inline int any_lane(v8i m) {
+    uint64_t w[4];
     memcpy(w, &m, sizeof w);
-    return ((w[0] | w[1]) | (w[2] | w[3]) | (w[4] | w[5]) | (w[6] | w[7])) != 0;
+    return (w[0] | w[1] | w[2] | w[3]) != 0;
 }
 
-static inline v16i select16(v16i m, v16i a, v16i b) { return (m & a) | (~m & b); }
+static inline v8i select8(v8i m, v8i a, v8i b) { return (m & a) | (~m & b); }
+static inline v8u select8u(v8i m, v8u a, v8u b) { return ((v8u)m & a) | (~(v8u)m & b); }
 
 /* Eight float64 lanes (one AVX-512 register; two AVX2 ones): lane j adds the terms j, j + 8, ... */
 typedef double v8d __attribute__((vector_size(64)));
 
-/* The first and the last eight of sixteen float32 values, as float64. */
-static inline v8d low8(v16f f) { return (v8d){f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]}; }
-static inline v8d high8(v16f f) { return (v8d){f[8], f[9], f[10], f[11], f[12], f[13], f[14], f[15]}; }
+static inline v8d widen8(v8f f) { return (v8d){f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]}; }
 
 static inline double lanes8(v8d a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 /* Empties the bins of fractions f = u & 0x7FFFFF into the totals of significands m = f + 2**23 (E > 0) or f. */
 static void empty_bins(stats_bins *b) {
-    for (int c = 0; c < 4; c++)
+    for (int c = 0; c < COPIES; c++)
         for (int key = 0; key < 512; key++) {
             int e = key & 0xFF;
-            int64_t v = b->packed[c][key], n = v >> 41, f = v & (((int64_t)1 << 41) - 1), m = f;
-            unsigned __int128 q = b->squares[c][key];
+            int64_t v = (int64_t)b->pairs[c][key][0], n = v >> 41, f = v & (((int64_t)1 << 41) - 1), m = f;
+            unsigned __int128 q = b->pairs[c][key][1];
             if (e > 0) { /* (f + 2**23)**2 = f**2 + 2**24 f + 2**46 */
                 m += n << 23;
                 q += ((unsigned __int128)f << 24) + ((unsigned __int128)n << 46);
@@ -324,8 +326,7 @@ static void empty_bins(stats_bins *b) {
             b->counts[e] += n;
             b->sums[e] += key >> 8 ? -m : m;
             b->square_sums[e] += q;
-            b->packed[c][key] = 0;
-            b->squares[c][key] = 0;
+            b->pairs[c][key][0] = b->pairs[c][key][1] = 0;
         }
 }
 
@@ -336,32 +337,29 @@ static inline __attribute__((always_inline)) void add_to_bins(stats_bins *bins, 
         uint32_t b;
         memcpy(&b, x + j, sizeof b);
         uint64_t f = b & 0x7FFFFF;
-        bins->packed[j & 3][b >> 23] += f + ((int64_t)1 << 41);
-        bins->squares[j & 3][b >> 23] += f * f;
+        bins->pairs[j & 3][b >> 23][0] += f + ((uint64_t)1 << 41);
+        bins->pairs[j & 3][b >> 23][1] += f * f;
     }
 }
 
-/* The squares of sixteen float32 values x16 added into the eight lanes of acc: lane j takes x16[j], then
- * x16[j + 8] (the order of eight values at a time). Each square is exact (a float32 value has 24 bits). */
-#define ADD_SQUARES(acc, x16)                                                                                  \
+/* The squares of eight float32 values x8 added into the eight lanes of acc. */
+#define ADD_SQUARES(acc, x8)                                                                                   \
     do {                                                                                                       \
-        v8d a_ = low8(x16), b_ = high8(x16);                                                                   \
-        acc += a_ * a_;                                                                                        \
-        acc += b_ * b_;                                                                                        \
+        v8d w_ = widen8(x8);                                                                                   \
+        acc += w_ * w_;                                                                                        \
     } while (0)
 
-/* A block's sums and the counts per lane, as both loops keep them (the counts below a threshold include
- * zeros and a tail's padding; bfloat16's, T = 1, lie below float32's normals: the subnormals' branch
- * counts them in `flush1` and `normal1`). */
+/* What the AVX-512 loop keeps between its runs: the block's sums (taken in and given back, in the generic
+ * loop's order) and its own counts, extremes and bfloat16's counts (added to the generic loop's at the end). */
 typedef struct {
-    v8d base, err[TARGETS], over[TARGETS];
-    v16i flush[TARGETS], normal[TARGETS], peak;
+    v8d base, err[TARGETS];
+    v16i flush[TARGETS], normal[TARGETS], peak; /* below a threshold: zeros included */
     v16f lo, hi;
     int64_t flush1, normal1;
 } stats_lanes;
 
 /* The subnormals among sixteen magnitudes (a mask `is_sub` of them): their bins by bit length, and
- * bfloat16's counts. */
+ * bfloat16's counts (its thresholds lie among float32's subnormals). */
 static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int32_t *mag, uint32_t is_sub) {
     for (; is_sub; is_sub &= is_sub - 1) {
         int32_t m = mag[__builtin_ctz(is_sub)];
@@ -390,9 +388,48 @@ static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int3
         normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(NORMAL[T])), normal##T, one); \
     } while (0)
 
+/* add_to_bins of sixteen values (their bits u): the pairs to add made in vectors, then one 128-bit addition
+ * per value (value j to copy j % 4). */
+__attribute__((target("arch=x86-64-v4,tune=icelake-server"), always_inline)) static inline void
+bins_avx512(stats_bins *bins, __m512i u) {
+    __m512i f = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFF)), flag = _mm512_set1_epi64((int64_t)1 << 41);
+    __m512i f0 = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(f)), f1 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(f, 1));
+    __m512i p0 = _mm512_add_epi64(f0, flag), p1 = _mm512_add_epi64(f1, flag);
+    __m512i q0 = _mm512_mul_epu32(f0, f0), q1 = _mm512_mul_epu32(f1, f1);
+    __m128i pairs[16]; /* values 0, 2, 4, 6, 1, 3, 5, 7, then 8, 10, ... */
+    _mm512_storeu_si512(pairs, _mm512_unpacklo_epi64(p0, q0));
+    _mm512_storeu_si512(pairs + 4, _mm512_unpackhi_epi64(p0, q0));
+    _mm512_storeu_si512(pairs + 8, _mm512_unpacklo_epi64(p1, q1));
+    _mm512_storeu_si512(pairs + 12, _mm512_unpackhi_epi64(p1, q1));
+    uint32_t key[16];
+    _mm512_storeu_si512(key, _mm512_srli_epi32(u, 23));
+    __asm__ volatile("" : : "r"(pairs), "r"(key) : "memory"); /* loads from memory, not shuffles (one port) */
+    static const int value[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+    for (int k = 0; k < 16; k++) {
+        __m128i *bin = (__m128i *)bins->pairs[value[k] % COPIES][key[value[k]]];
+        _mm_store_si128(bin, _mm_add_epi64(_mm_load_si128(bin), pairs[k]));
+    }
+}
+
+#define STORE_LANES() \
+    s->base = (v8d)base; \
+    s->err[0] = (v8d)err0; \
+    s->err[1] = (v8d)err1; \
+    s->err[2] = (v8d)err2; \
+    s->err[3] = (v8d)err3; \
+    s->flush[0] = (v16i)flush0; \
+    s->flush[2] = (v16i)flush2; \
+    s->flush[3] = (v16i)flush3; \
+    s->normal[0] = (v16i)normal0; \
+    s->normal[2] = (v16i)normal2; \
+    s->normal[3] = (v16i)normal3; \
+    s->peak = (v16i)peak; \
+    s->lo = (v16f)lo; \
+    s->hi = (v16f)hi;
+
 /* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf or above 464,
  * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. */
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,bmi,bmi2,lzcnt,popcnt"), noinline)) static Py_ssize_t
+__attribute__((target("arch=x86-64-v4,tune=icelake-server"), noinline)) static Py_ssize_t
 stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
@@ -402,8 +439,10 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
     __m512 lo = (__m512)s->lo, hi = (__m512)s->hi;
     for (; end - i >= 16; i += 16) {
         __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-        if (_mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32((int32_t)OVER_LEAST - 1)))
-            break;
+        if (_mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32((int32_t)OVER_LEAST - 1))) {
+            STORE_LANES();
+            return i;
+        }
         __m512i expo = _mm512_and_si512(mag, _mm512_set1_epi32(0x7F800000));
         __m512 fm = _mm512_castsi512_ps(mag), xf = _mm512_castsi512_ps(u);
         AVX512_BELOW(0);
@@ -425,120 +464,128 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
             _mm512_storeu_si512(m, mag);
             count_subnormals(s, bins, m, is_sub);
         }
-        add_to_bins(bins, x + i, 16);
+        bins_avx512(bins, u);
     }
-    s->base = (v8d)base;
-    s->err[0] = (v8d)err0;
-    s->err[1] = (v8d)err1;
-    s->err[2] = (v8d)err2;
-    s->err[3] = (v8d)err3;
-    s->flush[0] = (v16i)flush0;
-    s->flush[2] = (v16i)flush2;
-    s->flush[3] = (v16i)flush3;
-    s->normal[0] = (v16i)normal0;
-    s->normal[2] = (v16i)normal2;
-    s->normal[3] = (v16i)normal3;
-    s->peak = (v16i)peak;
-    s->lo = (v16f)lo;
-    s->hi = (v16f)hi;
+    STORE_LANES();
     return i;
 }
 #endif
 
 STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start, int64_t *out, double *errors,
-                                    stats_bins *bins, int avx512) {
-    stats_lanes s = {0};
-    const v16i iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+                             stats_bins *bins, int avx512) {
+    v8i zeros = {0}, tiny = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
+    v8f lo = {0}, hi = {0};
+    const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
     const float inf = __builtin_inff();
     int64_t nan = 0, posinf = 0, neginf = 0, over[TARGETS] = {0}, padding = 0;
     int32_t best = -1;
     Py_ssize_t best_block = 0;
-    s.lo += inf;
-    s.hi -= inf;
-    s.peak -= 1;
-    Py_ssize_t since_flush = 0;
+    lo += inf;
+    hi -= inf;
+    peak -= 1;
+    Py_ssize_t since_flush = 0, resume = 0;
+    stats_lanes lanes = {0};
+    lanes.lo += inf;
+    lanes.hi -= inf;
+    lanes.peak -= 1;
     for (Py_ssize_t first = 0; first < n; first += STATS_BLOCK) {
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
-        for (int t = 0; t < TARGETS; t++)
-            s.err[t] = s.over[t] = (v8d){0};
-        s.base = (v8d){0};
-        for (Py_ssize_t i = first; i < end; i += 16) {
+        v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
+        for (Py_ssize_t i = first; i < end; i += 8) {
 #if STATS_AVX512
-            if (avx512 && (i = stats_run_avx512(x, i, end, &s, bins)) >= end)
-                break;
+            if (avx512 && i >= resume && end - i >= 16) { /* the sums go through `lanes`, and come back */
+                lanes.base = base;
+                memcpy(lanes.err, err, sizeof err);
+                i = stats_run_avx512(x, i, end, &lanes, bins);
+                base = lanes.base;
+                memcpy(err, lanes.err, sizeof err);
+                if (i >= end)
+                    break;
+                resume = i + 64; /* stopped by a NaN, an inf or a value above 464: these go the generic way */
+            }
 #endif
-            v16u u = {0};
-            int k = end - i < 16 ? (int)(end - i) : 16;
-            if (k == 16)
+            v8u u = {0};
+            int k = end - i < 8 ? (int)(end - i) : 8;
+            if (k == 8)
                 memcpy(&u, x + i, sizeof u);
             else
                 memcpy(&u, x + i, (size_t)k * 4); /* a block's last values padded with zeros */
             /* magnitudes lie below 2**31: signed comparisons (one instruction each) serve */
-            v16i mag = (v16i)(u & 0x7FFFFFFF), expo = mag & 0x7F800000;
-            v16f fm = (v16f)mag, xf = (v16f)u;
-            for (int t = 0; t < TARGETS; t += 1 + (t == 0)) { /* 0, 2, 3 */
-                s.flush[t] -= mag < (int32_t)FLUSH[t] + 1;  /* a true comparison is -1 */
-                s.normal[t] -= mag < (int32_t)NORMAL[t];
-            }
-            v16u umag = (v16u)mag;
-            v16i valid = iota < k, number = (mag <= 0x7F800000) & valid;
-            s.lo = (v16f)select16(number & (v16i)(xf < s.lo), (v16i)xf, (v16i)s.lo);
-            s.hi = (v16f)select16(number & (v16i)(xf > s.hi), (v16i)xf, (v16i)s.hi);
-            s.peak = select16(number & (mag > s.peak), mag, s.peak);
-            for (int j = 0; j < k; j++) {
-                nan += mag[j] > 0x7F800000;
-                posinf += u[j] == 0x7F800000;
-                neginf += u[j] == 0xFF800000;
-                for (int t = 0; t < TARGETS; t++)
-                    over[t] += (uint32_t)mag[j] >= OVER[t] && mag[j] < 0x7F800000;
-            }
-            v16f kept = (v16f)((v16i)fm & (v16i)(umag < OVER_LEAST));
-            ADD_SQUARES(s.base, kept);
-            padding += 16 - k;
-            /* r = (|x| + C) - C, or from the bits where C would overflow; no error where the target overflows */
+            v8i mag = (v8i)(u & 0x7FFFFFFF), expo = mag & 0x7F800000, is_zero = mag == 0;
+            v8f fm = (v8f)mag, xf = (v8f)u;
+            v8i below_normals = mag < 0x800000, is_sub = below_normals & ~is_zero; /* and zeros, padding */
+            tiny += below_normals;
             for (int t = 0; t < TARGETS; t++) {
-                uint32_t drop = DROP[t];
-                v16u c = (v16u)select16(expo > (int32_t)TINY[t], expo, (v16i){0} + (int32_t)TINY[t]) + (drop << 23);
-                v16u bits = (umag + ((1u << (drop - 1)) - 1) + ((umag >> drop) & 1)) & ~((1u << drop) - 1);
-                v16f r = (v16f)select16((v16i)(c >= 0x7F800000), (v16i)bits, (v16i)((fm + (v16f)c) - (v16f)c));
-                v16f d = (v16f)((v16i)(fm - r) & (v16i)(umag < OVER[t]));
-                ADD_SQUARES(s.err[t], d);
-                v16f o = (v16f)((v16i)fm & (v16i)(umag >= OVER_LEAST) & (v16i)(umag < OVER[t]));
-                ADD_SQUARES(s.over[t], o);
+                below_flush[t] += mag < (int32_t)FLUSH[t] + 1;
+                below_normal[t] += mag < (int32_t)NORMAL[t];
             }
-            v16i is_sub = (v16i)(umag - 1 < 0x7FFFFF); /* neither zeros nor padding */
-            uint32_t sub_mask = 0;
-            for (int j = 0; j < 16; j++)
-                sub_mask |= (uint32_t)(is_sub[j] & 1) << j;
-            if (sub_mask) {
-                int32_t m[16];
-                memcpy(m, &mag, sizeof m);
-                count_subnormals(&s, bins, m, sub_mask);
+            if (k == 8 && !any_lane(mag > (int32_t)OVER_LEAST - 1)) { /* no inf, NaN or overflow: no masks */
+                zeros += is_zero;
+                lo = (v8f)select8((v8i)(xf < lo), (v8i)xf, (v8i)lo);
+                hi = (v8f)select8((v8i)(xf > hi), (v8i)xf, (v8i)hi);
+                peak = select8(mag > peak, mag, peak);
+                ADD_SQUARES(base, fm);
+                for (int t = 0; t < TARGETS; t++) {
+                    v8u c = (v8u)select8(expo > (int32_t)TINY[t], expo, (v8i){0} + (int32_t)TINY[t]) + (DROP[t] << 23);
+                    v8f d = fm - ((fm + (v8f)c) - (v8f)c);
+                    ADD_SQUARES(err[t], d);
+                }
+            } else {
+                v8i valid = iota < k, number = (mag <= 0x7F800000) & valid;
+                zeros += is_zero & valid;
+                lo = (v8f)select8(number & (v8i)(xf < lo), (v8i)xf, (v8i)lo);
+                hi = (v8f)select8(number & (v8i)(xf > hi), (v8i)xf, (v8i)hi);
+                peak = select8(number & (mag > peak), mag, peak);
+                for (int j = 0; j < k; j++) {
+                    nan += mag[j] > 0x7F800000;
+                    posinf += u[j] == 0x7F800000;
+                    neginf += u[j] == 0xFF800000;
+                    for (int t = 0; t < TARGETS; t++)
+                        over[t] += (uint32_t)mag[j] >= OVER[t] && mag[j] < 0x7F800000;
+                }
+                v8u umag = (v8u)mag;
+                v8f kept = (v8f)((v8i)fm & (v8i)(umag < OVER_LEAST));
+                ADD_SQUARES(base, kept);
+                padding += 8 - k;
+                for (int t = 0; t < TARGETS; t++) {
+                    uint32_t drop = DROP[t];
+                    v8u c = (v8u)select8(expo > (int32_t)TINY[t], expo, (v8i){0} + (int32_t)TINY[t]) + (drop << 23);
+                    v8u bits = (umag + ((1u << (drop - 1)) - 1) + ((umag >> drop) & 1)) & ~((1u << drop) - 1);
+                    v8f r = (v8f)select8((v8i)(c >= 0x7F800000), (v8i)bits, (v8i)((fm + (v8f)c) - (v8f)c));
+                    v8f d = (v8f)((v8i)(fm - r) & (v8i)(umag < OVER[t]));
+                    ADD_SQUARES(err[t], d);
+                    v8f o = (v8f)((v8i)fm & (v8i)(umag >= OVER_LEAST) & (v8i)(umag < OVER[t]));
+                    ADD_SQUARES(over_sums[t], o);
+                }
             }
-            add_to_bins(bins, x + i, k);
+            if (any_lane(is_sub))
+                for (int j = 0; j < 8; j++)
+                    if (is_sub[j])
+                        bins->subnormal[31 - __builtin_clz(mag[j])]++;
+            if (k == 8)
+                add_to_bins(bins, x + i, 8); /* unrolled */
+            else
+                add_to_bins(bins, x + i, k);
         }
         double *row = errors + (first / STATS_BLOCK) * ERROR_SUMS;
-        row[0] = lanes8(s.base);
+        row[0] = lanes8(base);
         for (int t = 0; t < TARGETS; t++) {
-            row[1 + t] = lanes8(s.err[t]);
-            row[5 + t] = lanes8(s.over[t]);
+            row[1 + t] = lanes8(err[t]);
+            row[5 + t] = lanes8(over_sums[t]);
         }
-        for (int j = 0; j < 16; j++)
-            if (s.peak[j] > best) { /* the first block where the largest magnitude so far appears */
-                best = s.peak[j];
+        for (int j = 0; j < 16; j++) { /* the first block where the largest magnitude so far appears */
+            int32_t top = j < 8 && peak[j] > lanes.peak[j] ? peak[j] : lanes.peak[j];
+            if (top > best) {
+                best = top;
                 best_block = first;
             }
+        }
         since_flush += end - first;
         if (since_flush >= FLUSH_VALUES || end == n) {
             empty_bins(bins);
             since_flush = 0;
         }
     }
-    /* the bins hold this call's values alone: its zeros are the values of E = 0 that are not subnormal */
-    int64_t subnormals = 0;
-    for (int k = 0; k < SUBNORMAL_BINS; k++)
-        subnormals += bins->subnormal[k];
-    int64_t zeros = bins->counts[0] - subnormals;
     int64_t *o = out;
     for (int e = 0; e < 256; e++) {
         unsigned __int128 q = ((unsigned __int128)(uint64_t)o[OUT_SQ_HI + e] << 64 | (uint64_t)o[OUT_SQ_LO + e]);
@@ -550,29 +597,48 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     }
     for (int k = 0; k < SUBNORMAL_BINS; k++)
         o[OUT_SUBNORMAL + k] += bins->subnormal[k];
-    /* per target, the non-zero values that flush and those below its normals */
-    int64_t flush[TARGETS] = {0, s.flush1, 0, 0}, below[TARGETS] = {0, s.normal1, 0, 0};
+    int64_t counts[3 * TARGETS + 2] = {0};
     float low, high;
     uint32_t bits = (uint32_t)o[OUT_MIN];
     memcpy(&low, &bits, sizeof low);
     bits = (uint32_t)o[OUT_MAX];
     memcpy(&high, &bits, sizeof high);
-    for (int j = 0; j < 16; j++) {
-        for (int t = 0; t < TARGETS; t += 1 + (t == 0)) {
-            flush[t] += s.flush[t][j];
-            below[t] += s.normal[t][j];
+    for (int j = 0; j < 8; j++) { /* the counts below a magnitude hold the zeros and a tail's padding too */
+        counts[0] += -zeros[j];
+        counts[1] += -tiny[j];
+        for (int t = 0; t < TARGETS; t++) {
+            counts[2 + t] -= below_flush[t][j];
+            counts[2 + TARGETS + t] -= below_normal[t][j];
         }
-        low = s.lo[j] < low ? s.lo[j] : low;
-        high = s.hi[j] > high ? s.hi[j] : high;
-    }
-    for (int t = 0; t < TARGETS; t += 1 + (t == 0)) {
-        flush[t] -= zeros + padding;
-        below[t] -= zeros + padding;
+        low = lo[j] < low ? lo[j] : low;
+        high = hi[j] > high ? hi[j] : high;
     }
     o[OUT_NAN] += nan;
     o[OUT_POSINF] += posinf;
     o[OUT_NEGINF] += neginf;
-    o[OUT_ZEROS] += zeros;
+    for (int c = 1; c < 3 * TARGETS + 2; c++)
+        counts[c] -= counts[0] + padding;
+    /* the AVX-512 loop's share: its zeros are this call's (the bins') less the generic loop's */
+    int64_t subnormals = 0;
+    for (int k = 0; k < SUBNORMAL_BINS; k++)
+        subnormals += bins->subnormal[k];
+    int64_t zeros_avx512 = bins->counts[0] - subnormals - counts[0];
+    for (int j = 0; j < 16; j++) {
+        for (int t = 0; t < TARGETS; t++) {
+            counts[2 + t] += lanes.flush[t][j];
+            counts[2 + TARGETS + t] += lanes.normal[t][j];
+        }
+        low = lanes.lo[j] < low ? lanes.lo[j] : low;
+        high = lanes.hi[j] > high ? lanes.hi[j] : high;
+    }
+    for (int t = 0; t < TARGETS; t++)
+        if (t != 1) {
+            counts[2 + t] -= zeros_avx512;
+            counts[2 + TARGETS + t] -= zeros_avx512;
+        }
+    counts[2 + 1] += lanes.flush1;
+    counts[2 + TARGETS + 1] += lanes.normal1;
+    o[OUT_ZEROS] += counts[0] + zeros_avx512;
     o[OUT_SUBNORMALS] += subnormals;
     memcpy(&bits, &low, sizeof bits);
     o[OUT_MIN] = bits;
@@ -590,8 +656,8 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     }
     for (int t = 0; t < TARGETS; t++) {
         o[OUT_CASTS + 3 * t] += over[t];
-        o[OUT_CASTS + 3 * t + 1] += flush[t];
-        o[OUT_CASTS + 3 * t + 2] += below[t] - flush[t];
+        o[OUT_CASTS + 3 * t + 1] += counts[2 + t];
+        o[OUT_CASTS + 3 * t + 2] += counts[2 + TARGETS + t] - counts[2 + t];
     }
 }
 

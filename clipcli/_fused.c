@@ -17,8 +17,8 @@
  *   over rows r of A and B, with d = a - b in float64 (rounded once at most: exact unless a and b lie
  *   some 29 binades apart); returns how many d are not 0 and the largest |d|. For finite values: NaN or inf in a row makes its sums NaN or inf, and the counts
  *   are then of no use.
- * stats_f32(x, out, errors, start): the statistics of float32 values, exact where they are counts and sums,
- *   added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
+ * stats_f32(x, out, errors, start[, wide]): the statistics of float32 values, exact where they are counts and
+ *   sums, added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
  * All release the GIL while they run.
  */
 #define PY_SSIZE_T_CLEAN
@@ -237,10 +237,12 @@ static void release_buffers(int n, Py_buffer *views) {
  *   one seen first is kept on a tie, whatever the order of the calls); then per cast target (float16,
  *   bfloat16, float8_e4m3fn, float8_e5m2, in turn): the finite values that overflow, the non-zero values
  *   that flush to zero, the values that land subnormal.
- * The sums go through int64 bins keyed by u >> 23 (sign and E) of the fractions f = u & 0x7FFFFF, in four
- * copies (value i to copy i % 4, so that runs of one binade do not wait on one another): the count and the
- * sum of f packed as count * 2**41 + sum, and the sum of f * f; every 2**16 values they are emptied into the
- * totals per E, the implicit bit added ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
+ * The sums go through bins keyed by u >> 23 (sign and E) of the fractions f = u & 0x7FFFFF, in four copies
+ * (value i to copy i % 4, so that runs of one binade do not wait on one another; the copies lie a padded row
+ * apart, so that one key's four bins do not share an address's low 12 bits): per bin, side by side (one
+ * 128-bit addition), the count and the sum of f packed as count * 2**41 + sum, and the sum of f * f; every
+ * 2**18 values (2**16 a copy) they are emptied into the totals per E, the implicit bit added
+ * ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
  * Casts round to nearest even: a target's threshold on the magnitude bits decides each count. The rounded
  * value r is (|x| + C) - C in float32, C = 2**(max(e, the target's smallest normal exponent) + 24 - p) (p:
  * the target's precision): float32's own rounding at C's last place. Where C would overflow (a vector with
@@ -252,6 +254,12 @@ static void release_buffers(int n, Py_buffer *views) {
  *   [1 + t] the sum of (|x| - r)**2 for target t over the values that do not overflow it;
  *   [5 + t] the sum of x*x over the values above 464 that do not overflow target t (so that the norm of
  *       those a target keeps is the exact sum of two sums of non-negative terms: no cancellation).
+ * Two loops give these, to the bit: the generic one, eight values at a time, and, where the machine has
+ * AVX-512 (and `wide` is true, as by default), stats_run_avx512 for runs of whole groups of sixteen
+ * ordinary values (no NaN, inf or value above 464), in the generic loop's place. It adds into the same
+ * sums in the same order (a fused multiply-add of an exact square rounds once, as the addition does), keeps
+ * counts, extremes and bfloat16's counts of its own, added in at the end, and takes its zeros as the bins'
+ * values of E = 0, less the subnormals and the generic loop's zeros.
  */
 #define STATS_BLOCK 8192
 #define TARGETS 4
@@ -473,7 +481,7 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
 
 STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start, int64_t *out, double *errors,
                              stats_bins *bins, int avx512) {
-    v8i zeros = {0}, tiny = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
+    v8i zeros = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
     v8f lo = {0}, hi = {0};
     const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
     const float inf = __builtin_inff();
@@ -483,7 +491,10 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     lo += inf;
     hi -= inf;
     peak -= 1;
-    Py_ssize_t since_flush = 0, resume = 0;
+    Py_ssize_t since_flush = 0;
+#if STATS_AVX512
+    Py_ssize_t resume = 0;
+#endif
     stats_lanes lanes = {0};
     lanes.lo += inf;
     lanes.hi -= inf;
@@ -513,8 +524,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
             /* magnitudes lie below 2**31: signed comparisons (one instruction each) serve */
             v8i mag = (v8i)(u & 0x7FFFFFFF), expo = mag & 0x7F800000, is_zero = mag == 0;
             v8f fm = (v8f)mag, xf = (v8f)u;
-            v8i below_normals = mag < 0x800000, is_sub = below_normals & ~is_zero; /* and zeros, padding */
-            tiny += below_normals;
+            v8i is_sub = (mag < 0x800000) & ~is_zero; /* and padding */
             for (int t = 0; t < TARGETS; t++) {
                 below_flush[t] += mag < (int32_t)FLUSH[t] + 1;
                 below_normal[t] += mag < (int32_t)NORMAL[t];
@@ -605,7 +615,6 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     memcpy(&high, &bits, sizeof high);
     for (int j = 0; j < 8; j++) { /* the counts below a magnitude hold the zeros and a tail's padding too */
         counts[0] += -zeros[j];
-        counts[1] += -tiny[j];
         for (int t = 0; t < TARGETS; t++) {
             counts[2 + t] -= below_flush[t][j];
             counts[2 + TARGETS + t] -= below_normal[t][j];
@@ -675,7 +684,8 @@ static int has_avx512(void) {
 static PyObject *stats_f32(PyObject *self, PyObject *args) {
     PyObject *objs[3];
     long long start;
-    if (!PyArg_ParseTuple(args, "OOOL", &objs[0], &objs[1], &objs[2], &start))
+    int wide = 1;
+    if (!PyArg_ParseTuple(args, "OOOL|p", &objs[0], &objs[1], &objs[2], &start, &wide))
         return NULL;
     Py_buffer v[3]; /* x, out, errors */
     const char *formats[2] = {"f", "q"};
@@ -694,7 +704,7 @@ static PyObject *stats_f32(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
     else {
         Py_BEGIN_ALLOW_THREADS
-        stats_loop(v[0].buf, n, start, v[1].buf, v[2].buf, bins, has_avx512());
+        stats_loop(v[0].buf, n, start, v[1].buf, v[2].buf, bins, wide && has_avx512());
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
@@ -805,8 +815,9 @@ static PyMethodDef methods[] = {
      "pair_sums(a, b, out, kind_a, kind_b) -> (changed, top): per row, the sums of d*d, a*a, b*b and a*b "
      "(d = a - b); how many d are not 0, and the largest |d|."},
     {"stats_f32", stats_f32, METH_VARARGS,
-     "stats_f32(x, out, errors, start): counts, exact sums per exponent and cast counts of float32 values added "
-     "into out (int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c)."},
+     "stats_f32(x, out, errors, start, wide=True): counts, exact sums per exponent and cast counts of float32 "
+     "values added into out (int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c); "
+     "wide=False: the generic loop alone, not AVX-512's (the same bits, for the tests)."},
     {NULL, NULL, 0, NULL},
 };
 

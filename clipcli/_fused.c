@@ -380,10 +380,21 @@ static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int3
 #if STATS_AVX512
 #include <immintrin.h>
 
+/* The AVX-512 loop's constants, read from memory (a broadcast is a load there): GCC would rather make each
+ * one again from an immediate, on the port the vectors need most. */
+enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_ORDINARY, K_FRACTION, K_ONE, K_LEN };
+static const int32_t STATS_K[K_LEN] = {
+    [K_FLUSH] = 0x33000001, 0x8001, 0x3A800001, 0x37000001, /* FLUSH + 1 */
+    [K_NORMAL] = 0x387FE000, 0x7F8000, 0x3C700000, 0x38600000,
+    [K_TINY] = 0x38800000, 0x800000, 0x3C800000, 0x38800000,
+    [K_DROP] = 13 << 23, 16 << 23, 20 << 23, 21 << 23,
+    [K_ABS] = 0x7FFFFFFF, 0x7F800000, (int32_t)OVER_LEAST - 1, 0x7FFFFF, 1,
+};
+#define K(i) _mm512_set1_epi32(k[i])
+
 #define AVX512_ERROR(T)                                                                                        \
     do {                                                                                                       \
-        __m512 c_ = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_max_epi32(expo, _mm512_set1_epi32(TINY[T])),  \
-                                                         _mm512_set1_epi32(DROP[T] << 23)));                   \
+        __m512 c_ = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_max_epi32(expo, K(K_TINY + T)), K(K_DROP + T))); \
         __m512 d_ = _mm512_sub_ps(fm, _mm512_sub_ps(_mm512_add_ps(fm, c_), c_));                               \
         __m512d a_ = _mm512_cvtps_pd(_mm512_castps512_ps256(d_)), b_ = _mm512_cvtps_pd(_mm512_extractf32x8_ps(d_, 1)); \
         err##T = _mm512_fmadd_pd(a_, a_, err##T); /* a_ * a_ is exact: one rounding, as without the fma */    \
@@ -392,15 +403,15 @@ static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int3
 
 #define AVX512_BELOW(T)                                                                                        \
     do {                                                                                                       \
-        flush##T = _mm512_mask_add_epi32(flush##T, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(FLUSH[T] + 1)), flush##T, one); \
-        normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(NORMAL[T])), normal##T, one); \
+        flush##T = _mm512_mask_add_epi32(flush##T, _mm512_cmplt_epi32_mask(mag, K(K_FLUSH + T)), flush##T, one);   \
+        normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, K(K_NORMAL + T)), normal##T, one); \
     } while (0)
 
 /* add_to_bins of sixteen values (their bits u): the pairs to add made in vectors, then one 128-bit addition
  * per value (value j to copy j % 4). */
 __attribute__((target("arch=x86-64-v4,tune=icelake-server"), always_inline)) static inline void
-bins_avx512(stats_bins *bins, __m512i u) {
-    __m512i f = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFF)), flag = _mm512_set1_epi64((int64_t)1 << 41);
+bins_avx512(stats_bins *bins, __m512i u, const int32_t *k) {
+    __m512i f = _mm512_and_si512(u, K(K_FRACTION)), flag = _mm512_set1_epi64((int64_t)1 << 41);
     __m512i f0 = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(f)), f1 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(f, 1));
     __m512i p0 = _mm512_add_epi64(f0, flag), p1 = _mm512_add_epi64(f1, flag);
     __m512i q0 = _mm512_mul_epu32(f0, f0), q1 = _mm512_mul_epu32(f1, f1);
@@ -409,13 +420,18 @@ bins_avx512(stats_bins *bins, __m512i u) {
     _mm512_storeu_si512(pairs + 4, _mm512_unpackhi_epi64(p0, q0));
     _mm512_storeu_si512(pairs + 8, _mm512_unpacklo_epi64(p1, q1));
     _mm512_storeu_si512(pairs + 12, _mm512_unpackhi_epi64(p1, q1));
-    uint32_t key[16];
-    _mm512_storeu_si512(key, _mm512_srli_epi32(u, 23));
-    __asm__ volatile("" : : "r"(pairs), "r"(key) : "memory"); /* loads from memory, not shuffles (one port) */
+    /* each value's bin, as a byte offset: its key's row in its copy */
+    const uint32_t row = sizeof bins->pairs[0];
+    __m512i copy = _mm512_setr_epi32(0, row, 2 * row, 3 * row, 0, row, 2 * row, 3 * row, 0, row, 2 * row, 3 * row, 0,
+                                     row, 2 * row, 3 * row);
+    uint32_t at[16];
+    _mm512_storeu_si512(at, _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(u, 23), 4), copy));
+    __asm__ volatile("" : : "r"(pairs), "r"(at) : "memory"); /* loads from memory, not shuffles (one port) */
     static const int value[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
-    for (int k = 0; k < 16; k++) {
-        __m128i *bin = (__m128i *)bins->pairs[value[k] % COPIES][key[value[k]]];
-        _mm_store_si128(bin, _mm_add_epi64(_mm_load_si128(bin), pairs[k]));
+    char *base = (char *)bins->pairs;
+    for (int j = 0; j < 16; j++) {
+        __m128i *bin = (__m128i *)(base + at[value[j]]);
+        _mm_store_si128(bin, _mm_add_epi64(_mm_load_si128(bin), pairs[j]));
     }
 }
 
@@ -437,21 +453,21 @@ bins_avx512(stats_bins *bins, __m512i u) {
 
 /* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf or above 464,
  * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. */
-__attribute__((target("arch=x86-64-v4,tune=icelake-server"), noinline)) static Py_ssize_t
-stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins) {
+__attribute__((target("arch=x86-64-v4,tune=icelake-server"), noipa)) static Py_ssize_t
+stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
     __m512i flush0 = (__m512i)s->flush[0], flush2 = (__m512i)s->flush[2], flush3 = (__m512i)s->flush[3];
     __m512i normal0 = (__m512i)s->normal[0], normal2 = (__m512i)s->normal[2], normal3 = (__m512i)s->normal[3];
-    __m512i peak = (__m512i)s->peak, one = _mm512_set1_epi32(1);
+    __m512i peak = (__m512i)s->peak, one = K(K_ONE);
     __m512 lo = (__m512)s->lo, hi = (__m512)s->hi;
     for (; end - i >= 16; i += 16) {
-        __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-        if (_mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32((int32_t)OVER_LEAST - 1))) {
+        __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, K(K_ABS));
+        if (_mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
             STORE_LANES();
             return i;
         }
-        __m512i expo = _mm512_and_si512(mag, _mm512_set1_epi32(0x7F800000));
+        __m512i expo = _mm512_and_si512(mag, K(K_EXPONENT));
         __m512 fm = _mm512_castsi512_ps(mag), xf = _mm512_castsi512_ps(u);
         AVX512_BELOW(0);
         AVX512_BELOW(2);
@@ -466,13 +482,13 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
         AVX512_ERROR(1);
         AVX512_ERROR(2);
         AVX512_ERROR(3);
-        __mmask16 is_sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, one), _mm512_set1_epi32(0x7FFFFF));
+        __mmask16 is_sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, one), K(K_FRACTION));
         if (is_sub) {
             int32_t m[16];
             _mm512_storeu_si512(m, mag);
             count_subnormals(s, bins, m, is_sub);
         }
-        bins_avx512(bins, u);
+        bins_avx512(bins, u, k);
     }
     STORE_LANES();
     return i;
@@ -507,7 +523,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
             if (avx512 && i >= resume && end - i >= 16) { /* the sums go through `lanes`, and come back */
                 lanes.base = base;
                 memcpy(lanes.err, err, sizeof err);
-                i = stats_run_avx512(x, i, end, &lanes, bins);
+                i = stats_run_avx512(x, i, end, &lanes, bins, STATS_K);
                 base = lanes.base;
                 memcpy(err, lanes.err, sizeof err);
                 if (i >= end)

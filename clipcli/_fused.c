@@ -409,7 +409,7 @@ static const int32_t STATS_K[K_LEN] = {
 
 /* add_to_bins of sixteen values (their bits u): the pairs to add made in vectors, then one 128-bit addition
  * per value (value j to copy j % 4). */
-__attribute__((target("arch=x86-64-v4,tune=icelake-server"), always_inline)) static inline void
+__attribute__((target("arch=x86-64-v4"), always_inline)) static inline void
 bins_avx512(stats_bins *bins, __m512i u, const int32_t *k) {
     __m512i f = _mm512_and_si512(u, K(K_FRACTION)), flag = _mm512_set1_epi64((int64_t)1 << 41);
     __m512i f0 = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(f)), f1 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(f, 1));
@@ -453,7 +453,7 @@ bins_avx512(stats_bins *bins, __m512i u, const int32_t *k) {
 
 /* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf or above 464,
  * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. */
-__attribute__((target("arch=x86-64-v4,tune=icelake-server"), noipa)) static Py_ssize_t
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
 stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
@@ -689,6 +689,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
 /* Whether the machine runs stats_run_avx512. */
 static int has_avx512(void) {
 #if STATS_AVX512
+    __builtin_cpu_init(); /* done already by libgcc's constructor, as the clones' resolvers need: harmless */
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("bmi2");

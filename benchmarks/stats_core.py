@@ -7,17 +7,23 @@ The array is fed as the engine gives it, in chunks of `PIECE` values, to a fresh
 whose `result()` is taken too. Rounds alternate the two, so that drift of a shared machine touches both
 alike; each side's figure is the median over the rounds of its thread's CPU time (the machine is shared:
 wall time counts the neighbours' work too), and its wall time beside it. Only ratios from one run mean
-anything. The values are normals of scale 0.02 (a checkpoint's weights): no NaN, inf or overflow.
+anything. The values are normals of scale 0.02 (a checkpoint's weights): no NaN, inf or overflow. The
+clipcli measured is the one of this checkout (not an editable install of another), as the first line says.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's clipcli
+
+import clipcli
 from clipcli.core.blocks import PIECE
 from clipcli.core.norms import NormAccumulator
 from clipcli.core.stats import StatsAccumulator
@@ -35,6 +41,7 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=256, help="size of the array (MiB)")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds")
     args = parser.parse_args()
+    print(f"clipcli of {Path(clipcli.__file__).parent}")
     n = int(args.mib * 2**20) // 4
     x = (np.random.default_rng(0).standard_normal(n, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
 

@@ -17,8 +17,8 @@
  *   over rows r of A and B, with d = a - b in float64 (rounded once at most: exact unless a and b lie
  *   some 29 binades apart); returns how many d are not 0 and the largest |d|. For finite values: NaN or inf in a row makes its sums NaN or inf, and the counts
  *   are then of no use.
- * stats_f32(x, out, errors, start): the statistics of float32 values, exact where they are counts and sums,
- *   added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
+ * stats_f32(x, out, errors, start[, wide]): the statistics of float32 values, exact where they are counts and
+ *   sums, added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
  * All release the GIL while they run.
  */
 #define PY_SSIZE_T_CLEAN
@@ -237,10 +237,12 @@ static void release_buffers(int n, Py_buffer *views) {
  *   one seen first is kept on a tie, whatever the order of the calls); then per cast target (float16,
  *   bfloat16, float8_e4m3fn, float8_e5m2, in turn): the finite values that overflow, the non-zero values
  *   that flush to zero, the values that land subnormal.
- * The sums go through int64 bins keyed by u >> 23 (sign and E) of the fractions f = u & 0x7FFFFF, in four
- * copies (value i to copy i % 4, so that runs of one binade do not wait on one another): the count and the
- * sum of f packed as count * 2**41 + sum, and the sum of f * f; every 2**16 values they are emptied into the
- * totals per E, the implicit bit added ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
+ * The sums go through bins keyed by u >> 23 (sign and E) of the fractions f = u & 0x7FFFFF, in four copies
+ * (value i to copy i % 4, so that runs of one binade do not wait on one another; the copies lie a padded row
+ * apart, so that one key's four bins do not share an address's low 12 bits): per bin, side by side (one
+ * 128-bit addition), the count and the sum of f packed as count * 2**41 + sum, and the sum of f * f; every
+ * 2**18 values (2**16 a copy) they are emptied into the totals per E, the implicit bit added
+ * ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
  * Casts round to nearest even: a target's threshold on the magnitude bits decides each count. The rounded
  * value r is (|x| + C) - C in float32, C = 2**(max(e, the target's smallest normal exponent) + 24 - p) (p:
  * the target's precision): float32's own rounding at C's last place. Where C would overflow (a vector with
@@ -252,6 +254,12 @@ static void release_buffers(int n, Py_buffer *views) {
  *   [1 + t] the sum of (|x| - r)**2 for target t over the values that do not overflow it;
  *   [5 + t] the sum of x*x over the values above 464 that do not overflow target t (so that the norm of
  *       those a target keeps is the exact sum of two sums of non-negative terms: no cancellation).
+ * Two loops give these, to the bit: the generic one, eight values at a time, and, where the machine has
+ * AVX-512 (and `wide` is true, as by default), stats_run_avx512 for runs of whole groups of sixteen
+ * ordinary values (no NaN, inf or value above 464), in the generic loop's place. It adds into the same
+ * sums in the same order (a fused multiply-add of an exact square rounds once, as the addition does), keeps
+ * counts, extremes and bfloat16's counts of its own, added in at the end, and takes its zeros as the bins'
+ * values of E = 0, less the subnormals and the generic loop's zeros.
  */
 #define STATS_BLOCK 8192
 #define TARGETS 4
@@ -262,11 +270,14 @@ enum {
     OUT_PEAK, OUT_PEAK_AT, OUT_CASTS, STATS_LEN = OUT_CASTS + 3 * TARGETS,
 };
 #define ERROR_SUMS 9
-#define FLUSH_VALUES (1 << 16)
+#define COPIES 4 /* copies of the bins: value i to copy i % 4, so that runs of one binade do not wait on one another */
+#define FLUSH_VALUES (1 << 18) /* 2**16 a copy: the sums of f * f stay below 2**62 */
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
 
 /* Per target, float32 magnitude bits: dropped bits of a normal value; the smallest normal (0: none below
  * float32's own); C; overflow from; flush up to; normal from (checked against ml_dtypes by the tests). */
@@ -276,15 +287,17 @@ static const uint32_t OVER[TARGETS] = {0x477FF000, 0x7F7F8000, 0x43E80001, 0x477
 static const uint32_t FLUSH[TARGETS] = {0x33000000, 0x8000, 0x3A800000, 0x37000000};
 static const uint32_t NORMAL[TARGETS] = {0x387FE000, 0x7F8000, 0x3C700000, 0x38600000};
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define STATS_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#define STATS_CLONES __attribute__((target_clones("avx2", "default")))
+#define STATS_AVX512 1 /* with a faster loop for machines that have it (see stats_run_avx512) */
 #else
 #define STATS_CLONES
+#define STATS_AVX512 0
 #endif
 #define OVER_LEAST 0x43E80001u /* float8_e4m3fn's */
 
 typedef struct {
-    int64_t packed[4][512]; /* by u >> 23: sign and E */
-    uint64_t squares[4][512];
+    /* by u >> 23 (sign and E): the count and the sum of f packed, and the sum of f * f, side by side */
+    uint64_t pairs[COPIES][512 + 4][2] __attribute__((aligned(16)));
     int64_t counts[256], sums[256];
     unsigned __int128 square_sums[256];
     int64_t subnormal[SUBNORMAL_BINS];
@@ -309,11 +322,11 @@ static inline double lanes8(v8d a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((
 
 /* Empties the bins of fractions f = u & 0x7FFFFF into the totals of significands m = f + 2**23 (E > 0) or f. */
 static void empty_bins(stats_bins *b) {
-    for (int c = 0; c < 4; c++)
+    for (int c = 0; c < COPIES; c++)
         for (int key = 0; key < 512; key++) {
             int e = key & 0xFF;
-            int64_t v = b->packed[c][key], n = v >> 41, f = v & (((int64_t)1 << 41) - 1), m = f;
-            unsigned __int128 q = b->squares[c][key];
+            int64_t v = (int64_t)b->pairs[c][key][0], n = v >> 41, f = v & (((int64_t)1 << 41) - 1), m = f;
+            unsigned __int128 q = b->pairs[c][key][1];
             if (e > 0) { /* (f + 2**23)**2 = f**2 + 2**24 f + 2**46 */
                 m += n << 23;
                 q += ((unsigned __int128)f << 24) + ((unsigned __int128)n << 46);
@@ -321,8 +334,7 @@ static void empty_bins(stats_bins *b) {
             b->counts[e] += n;
             b->sums[e] += key >> 8 ? -m : m;
             b->square_sums[e] += q;
-            b->packed[c][key] = 0;
-            b->squares[c][key] = 0;
+            b->pairs[c][key][0] = b->pairs[c][key][1] = 0;
         }
 }
 
@@ -333,8 +345,8 @@ static inline __attribute__((always_inline)) void add_to_bins(stats_bins *bins, 
         uint32_t b;
         memcpy(&b, x + j, sizeof b);
         uint64_t f = b & 0x7FFFFF;
-        bins->packed[j & 3][b >> 23] += f + ((int64_t)1 << 41);
-        bins->squares[j & 3][b >> 23] += f * f;
+        bins->pairs[j & 3][b >> 23][0] += f + ((uint64_t)1 << 41);
+        bins->pairs[j & 3][b >> 23][1] += f * f;
     }
 }
 
@@ -345,9 +357,147 @@ static inline __attribute__((always_inline)) void add_to_bins(stats_bins *bins, 
         acc += w_ * w_;                                                                                        \
     } while (0)
 
+/* What the AVX-512 loop keeps between its runs: the block's sums (taken in and given back, in the generic
+ * loop's order) and its own counts, extremes and bfloat16's counts (added to the generic loop's at the end). */
+typedef struct {
+    v8d base, err[TARGETS];
+    v16i flush[TARGETS], normal[TARGETS], peak; /* below a threshold: zeros included */
+    v16f lo, hi;
+    int64_t flush1, normal1;
+} stats_lanes;
+
+/* The subnormals among sixteen magnitudes (a mask `is_sub` of them): their bins by bit length, and
+ * bfloat16's counts (its thresholds lie among float32's subnormals). */
+static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int32_t *mag, uint32_t is_sub) {
+    for (; is_sub; is_sub &= is_sub - 1) {
+        int32_t m = mag[__builtin_ctz(is_sub)];
+        bins->subnormal[31 - __builtin_clz(m)]++;
+        s->flush1 += m < (int32_t)FLUSH[1] + 1;
+        s->normal1 += m < (int32_t)NORMAL[1];
+    }
+}
+
+#if STATS_AVX512
+#include <immintrin.h>
+
+/* The AVX-512 loop's constants, read from memory (a broadcast is a load there): GCC would rather make each
+ * one again from an immediate, on the port the vectors need most. */
+enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_ORDINARY, K_FRACTION, K_ONE, K_LEN };
+static const int32_t STATS_K[K_LEN] = {
+    [K_FLUSH] = 0x33000001, 0x8001, 0x3A800001, 0x37000001, /* FLUSH + 1 */
+    [K_NORMAL] = 0x387FE000, 0x7F8000, 0x3C700000, 0x38600000,
+    [K_TINY] = 0x38800000, 0x800000, 0x3C800000, 0x38800000,
+    [K_DROP] = 13 << 23, 16 << 23, 20 << 23, 21 << 23,
+    [K_ABS] = 0x7FFFFFFF, 0x7F800000, (int32_t)OVER_LEAST - 1, 0x7FFFFF, 1,
+};
+#define K(i) _mm512_set1_epi32(k[i])
+
+#define AVX512_ERROR(T)                                                                                        \
+    do {                                                                                                       \
+        __m512 c_ = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_max_epi32(expo, K(K_TINY + T)), K(K_DROP + T))); \
+        __m512 d_ = _mm512_sub_ps(fm, _mm512_sub_ps(_mm512_add_ps(fm, c_), c_));                               \
+        __m512d a_ = _mm512_cvtps_pd(_mm512_castps512_ps256(d_)), b_ = _mm512_cvtps_pd(_mm512_extractf32x8_ps(d_, 1)); \
+        err##T = _mm512_fmadd_pd(a_, a_, err##T); /* a_ * a_ is exact: one rounding, as without the fma */    \
+        err##T = _mm512_fmadd_pd(b_, b_, err##T);                                                              \
+    } while (0)
+
+#define AVX512_BELOW(T)                                                                                        \
+    do {                                                                                                       \
+        flush##T = _mm512_mask_add_epi32(flush##T, _mm512_cmplt_epi32_mask(mag, K(K_FLUSH + T)), flush##T, one);   \
+        normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, K(K_NORMAL + T)), normal##T, one); \
+    } while (0)
+
+/* add_to_bins of sixteen values (their bits u): the pairs to add made in vectors, then one 128-bit addition
+ * per value (value j to copy j % 4). */
+__attribute__((target("arch=x86-64-v4"), always_inline)) static inline void
+bins_avx512(stats_bins *bins, __m512i u, const int32_t *k) {
+    __m512i f = _mm512_and_si512(u, K(K_FRACTION)), flag = _mm512_set1_epi64((int64_t)1 << 41);
+    __m512i f0 = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(f)), f1 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(f, 1));
+    __m512i p0 = _mm512_add_epi64(f0, flag), p1 = _mm512_add_epi64(f1, flag);
+    __m512i q0 = _mm512_mul_epu32(f0, f0), q1 = _mm512_mul_epu32(f1, f1);
+    __m128i pairs[16]; /* values 0, 2, 4, 6, 1, 3, 5, 7, then 8, 10, ... */
+    _mm512_storeu_si512(pairs, _mm512_unpacklo_epi64(p0, q0));
+    _mm512_storeu_si512(pairs + 4, _mm512_unpackhi_epi64(p0, q0));
+    _mm512_storeu_si512(pairs + 8, _mm512_unpacklo_epi64(p1, q1));
+    _mm512_storeu_si512(pairs + 12, _mm512_unpackhi_epi64(p1, q1));
+    /* each value's bin, as a byte offset: its key's row in its copy */
+    const uint32_t row = sizeof bins->pairs[0];
+    __m512i copy = _mm512_setr_epi32(0, row, 2 * row, 3 * row, 0, row, 2 * row, 3 * row, 0, row, 2 * row, 3 * row, 0,
+                                     row, 2 * row, 3 * row);
+    uint32_t at[16];
+    _mm512_storeu_si512(at, _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(u, 23), 4), copy));
+    __asm__ volatile("" : : "r"(pairs), "r"(at) : "memory"); /* loads from memory, not shuffles (one port) */
+    static const int value[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+    char *base = (char *)bins->pairs;
+    for (int j = 0; j < 16; j++) {
+        __m128i *bin = (__m128i *)(base + at[value[j]]);
+        _mm_store_si128(bin, _mm_add_epi64(_mm_load_si128(bin), pairs[j]));
+    }
+}
+
+#define STORE_LANES() \
+    s->base = (v8d)base; \
+    s->err[0] = (v8d)err0; \
+    s->err[1] = (v8d)err1; \
+    s->err[2] = (v8d)err2; \
+    s->err[3] = (v8d)err3; \
+    s->flush[0] = (v16i)flush0; \
+    s->flush[2] = (v16i)flush2; \
+    s->flush[3] = (v16i)flush3; \
+    s->normal[0] = (v16i)normal0; \
+    s->normal[2] = (v16i)normal2; \
+    s->normal[3] = (v16i)normal3; \
+    s->peak = (v16i)peak; \
+    s->lo = (v16f)lo; \
+    s->hi = (v16f)hi;
+
+/* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf or above 464,
+ * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. */
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
+stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+    __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
+            err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
+    __m512i flush0 = (__m512i)s->flush[0], flush2 = (__m512i)s->flush[2], flush3 = (__m512i)s->flush[3];
+    __m512i normal0 = (__m512i)s->normal[0], normal2 = (__m512i)s->normal[2], normal3 = (__m512i)s->normal[3];
+    __m512i peak = (__m512i)s->peak, one = K(K_ONE);
+    __m512 lo = (__m512)s->lo, hi = (__m512)s->hi;
+    for (; end - i >= 16; i += 16) {
+        __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, K(K_ABS));
+        if (_mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
+            STORE_LANES();
+            return i;
+        }
+        __m512i expo = _mm512_and_si512(mag, K(K_EXPONENT));
+        __m512 fm = _mm512_castsi512_ps(mag), xf = _mm512_castsi512_ps(u);
+        AVX512_BELOW(0);
+        AVX512_BELOW(2);
+        AVX512_BELOW(3);
+        lo = _mm512_min_ps(xf, lo); /* xf < lo ? xf : lo */
+        hi = _mm512_max_ps(xf, hi);
+        peak = _mm512_max_epi32(mag, peak);
+        __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(fm)), b = _mm512_cvtps_pd(_mm512_extractf32x8_ps(fm, 1));
+        base = _mm512_fmadd_pd(a, a, base);
+        base = _mm512_fmadd_pd(b, b, base);
+        AVX512_ERROR(0);
+        AVX512_ERROR(1);
+        AVX512_ERROR(2);
+        AVX512_ERROR(3);
+        __mmask16 is_sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, one), K(K_FRACTION));
+        if (is_sub) {
+            int32_t m[16];
+            _mm512_storeu_si512(m, mag);
+            count_subnormals(s, bins, m, is_sub);
+        }
+        bins_avx512(bins, u, k);
+    }
+    STORE_LANES();
+    return i;
+}
+#endif
+
 STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start, int64_t *out, double *errors,
-                             stats_bins *bins) {
-    v8i zeros = {0}, tiny = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
+                             stats_bins *bins, int avx512) {
+    v8i zeros = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
     v8f lo = {0}, hi = {0};
     const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
     const float inf = __builtin_inff();
@@ -358,10 +508,29 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     hi -= inf;
     peak -= 1;
     Py_ssize_t since_flush = 0;
+#if STATS_AVX512
+    Py_ssize_t resume = 0;
+#endif
+    stats_lanes lanes = {0};
+    lanes.lo += inf;
+    lanes.hi -= inf;
+    lanes.peak -= 1;
     for (Py_ssize_t first = 0; first < n; first += STATS_BLOCK) {
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
         v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
         for (Py_ssize_t i = first; i < end; i += 8) {
+#if STATS_AVX512
+            if (avx512 && i >= resume && end - i >= 16) { /* the sums go through `lanes`, and come back */
+                lanes.base = base;
+                memcpy(lanes.err, err, sizeof err);
+                i = stats_run_avx512(x, i, end, &lanes, bins, STATS_K);
+                base = lanes.base;
+                memcpy(err, lanes.err, sizeof err);
+                if (i >= end)
+                    break;
+                resume = i + 64; /* stopped by a NaN, an inf or a value above 464: these go the generic way */
+            }
+#endif
             v8u u = {0};
             int k = end - i < 8 ? (int)(end - i) : 8;
             if (k == 8)
@@ -371,8 +540,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
             /* magnitudes lie below 2**31: signed comparisons (one instruction each) serve */
             v8i mag = (v8i)(u & 0x7FFFFFFF), expo = mag & 0x7F800000, is_zero = mag == 0;
             v8f fm = (v8f)mag, xf = (v8f)u;
-            v8i below_normals = mag < 0x800000, is_sub = below_normals & ~is_zero; /* and zeros, padding */
-            tiny += below_normals;
+            v8i is_sub = (mag < 0x800000) & ~is_zero; /* and padding */
             for (int t = 0; t < TARGETS; t++) {
                 below_flush[t] += mag < (int32_t)FLUSH[t] + 1;
                 below_normal[t] += mag < (int32_t)NORMAL[t];
@@ -431,11 +599,13 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
             row[1 + t] = lanes8(err[t]);
             row[5 + t] = lanes8(over_sums[t]);
         }
-        for (int j = 0; j < 8; j++)
-            if (peak[j] > best) { /* the first block where the largest magnitude so far appears */
-                best = peak[j];
+        for (int j = 0; j < 16; j++) { /* the first block where the largest magnitude so far appears */
+            int32_t top = j < 8 && peak[j] > lanes.peak[j] ? peak[j] : lanes.peak[j];
+            if (top > best) {
+                best = top;
                 best_block = first;
             }
+        }
         since_flush += end - first;
         if (since_flush >= FLUSH_VALUES || end == n) {
             empty_bins(bins);
@@ -461,7 +631,6 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     memcpy(&high, &bits, sizeof high);
     for (int j = 0; j < 8; j++) { /* the counts below a magnitude hold the zeros and a tail's padding too */
         counts[0] += -zeros[j];
-        counts[1] += -tiny[j];
         for (int t = 0; t < TARGETS; t++) {
             counts[2 + t] -= below_flush[t][j];
             counts[2 + TARGETS + t] -= below_normal[t][j];
@@ -474,8 +643,28 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     o[OUT_NEGINF] += neginf;
     for (int c = 1; c < 3 * TARGETS + 2; c++)
         counts[c] -= counts[0] + padding;
-    o[OUT_ZEROS] += counts[0];
-    o[OUT_SUBNORMALS] += counts[1];
+    /* the AVX-512 loop's share: its zeros are this call's (the bins') less the generic loop's */
+    int64_t subnormals = 0;
+    for (int k = 0; k < SUBNORMAL_BINS; k++)
+        subnormals += bins->subnormal[k];
+    int64_t zeros_avx512 = bins->counts[0] - subnormals - counts[0];
+    for (int j = 0; j < 16; j++) {
+        for (int t = 0; t < TARGETS; t++) {
+            counts[2 + t] += lanes.flush[t][j];
+            counts[2 + TARGETS + t] += lanes.normal[t][j];
+        }
+        low = lanes.lo[j] < low ? lanes.lo[j] : low;
+        high = lanes.hi[j] > high ? lanes.hi[j] : high;
+    }
+    for (int t = 0; t < TARGETS; t++)
+        if (t != 1) {
+            counts[2 + t] -= zeros_avx512;
+            counts[2 + TARGETS + t] -= zeros_avx512;
+        }
+    counts[2 + 1] += lanes.flush1;
+    counts[2 + TARGETS + 1] += lanes.normal1;
+    o[OUT_ZEROS] += counts[0] + zeros_avx512;
+    o[OUT_SUBNORMALS] += subnormals;
     memcpy(&bits, &low, sizeof bits);
     o[OUT_MIN] = bits;
     memcpy(&bits, &high, sizeof bits);
@@ -497,10 +686,23 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     }
 }
 
+/* Whether the machine runs stats_run_avx512. */
+static int has_avx512(void) {
+#if STATS_AVX512
+    __builtin_cpu_init(); /* done already by libgcc's constructor, as the clones' resolvers need: harmless */
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("bmi2");
+#else
+    return 0;
+#endif
+}
+
 static PyObject *stats_f32(PyObject *self, PyObject *args) {
     PyObject *objs[3];
     long long start;
-    if (!PyArg_ParseTuple(args, "OOOL", &objs[0], &objs[1], &objs[2], &start))
+    int wide = 1;
+    if (!PyArg_ParseTuple(args, "OOOL|p", &objs[0], &objs[1], &objs[2], &start, &wide))
         return NULL;
     Py_buffer v[3]; /* x, out, errors */
     const char *formats[2] = {"f", "q"};
@@ -519,7 +721,7 @@ static PyObject *stats_f32(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
     else {
         Py_BEGIN_ALLOW_THREADS
-        stats_loop(v[0].buf, n, start, v[1].buf, v[2].buf, bins);
+        stats_loop(v[0].buf, n, start, v[1].buf, v[2].buf, bins, wide && has_avx512());
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
@@ -630,8 +832,9 @@ static PyMethodDef methods[] = {
      "pair_sums(a, b, out, kind_a, kind_b) -> (changed, top): per row, the sums of d*d, a*a, b*b and a*b "
      "(d = a - b); how many d are not 0, and the largest |d|."},
     {"stats_f32", stats_f32, METH_VARARGS,
-     "stats_f32(x, out, errors, start): counts, exact sums per exponent and cast counts of float32 values added "
-     "into out (int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c)."},
+     "stats_f32(x, out, errors, start, wide=True): counts, exact sums per exponent and cast counts of float32 "
+     "values added into out (int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c); "
+     "wide=False: the generic loop alone, not AVX-512's (the same bits, for the tests)."},
     {NULL, NULL, 0, NULL},
 };
 

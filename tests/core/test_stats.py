@@ -446,6 +446,37 @@ def test_complex64_parts_take_the_fused_loop_with_the_same_bits(monkeypatch):
     assert repr(tensor_stats(t)) == repr(without_loops(monkeypatch, tensor_stats, t))
 
 
+def weights32(n: int, seed: int) -> np.ndarray:
+    """float32 weights (normals of scale 0.02) in long ordinary runs, a few values made edges of `EDGES32`."""
+    rng = np.random.default_rng(seed)
+    v = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    bits = v.view(np.uint32)
+    where = rng.random(n) < 0.003
+    bits[where] = rng.choice(EDGES32, int(where.sum())) ^ (rng.integers(0, 2, int(where.sum()), np.uint32) << 31)
+    return v
+
+
+@needs_loops
+@pytest.mark.parametrize("seed", range(3))
+def test_the_avx512_loop_gives_the_bits_of_the_generic_loop(monkeypatch, seed):
+    # the AVX-512 loop (where the machine has it) takes the runs of ordinary values; wide=False leaves all to
+    # the generic loop: counts, sums, extremes and every error sum must be the same bits, and NumPy's
+    t = weights32(3 * BLOCK + 1001, seed)
+    rows = (t.size + BLOCK - 1) // BLOCK
+    runs = []
+    for wide in (True, False):
+        out, errors = blocks.fused_stats_state(), np.zeros((rows, 9))
+        blocks._fused.stats_f32(t, out, errors, 5, wide)
+        runs.append((out, errors))
+    assert np.array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1].tobytes() == runs[1][1].tobytes()
+    cuts = [16, BLOCK + 24, 2 * BLOCK + 8]
+    fused = fed(t, cuts, [2, 0, 3, 1])
+    assert repr(fused) == repr(without_loops(monkeypatch, fed, t, cuts, [1, 3, 0, 2]))
+    with np.errstate(invalid="ignore"):  # the reference widens signalling NaNs
+        assert_matches(fused, reference(t), t)
+
+
 def test_cast_errors_beside_values_that_overflow_keep_their_precision():
     # found when the norm kept by a cast was the sum of all finite x² less those that overflow: 1e10's
     # square swamped the small values' (float16's rel_error was off by 2e-9)

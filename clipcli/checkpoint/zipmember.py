@@ -182,6 +182,16 @@ def open_member(store: Store, path: Path, z: zipfile.ZipFile, location: ZipMembe
     return stream  # type: ignore[return-value]
 
 
+# records torch.save and torch.jit.save write in their zip's one folder (`archive/data.pkl`, `archive/code/...`)
+TORCH_RECORDS = ("data.pkl", "constants.pkl", "version")
+
+
+def torch_record(name: str) -> bool:
+    """Whether a zip member's name is a record of torch's zip format (a PyTorch or TorchScript archive)."""
+    folder, _, record = name.partition("/")
+    return bool(folder) and (record in TORCH_RECORDS or record.startswith("code/"))
+
+
 def zip_data_start(read: Callable[[int, int], bytes], info: Any) -> int | None:
     """Where a zip member's bytes begin (after its local header, whose lengths may differ from the
     directory's), or None when no local header of that name is where the directory says: the directory

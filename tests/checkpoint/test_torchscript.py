@@ -59,6 +59,17 @@ def test_the_corpus_holds_every_kind() -> None:
     assert sum(p.stat().st_size for p in SCRIPT.iterdir()) < 100_000
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_an_archive_under_another_formats_suffix_is_named_for_what_it_is(tmp_path: Path, suffix: str) -> None:
+    # found by a new user: under .npz it read as 42 byte members ("npz, 42 tensors"), under .safetensors it was
+    # "a zip archive" (torch.jit.save writes a storage first, not data.pkl)
+    path = tmp_path / f"model{suffix}"
+    shutil.copy(SCRIPT / "sequential.pt", path)
+    result = run("inspect", path)
+    assert result.exit_code == 3, result.stdout
+    assert "a PyTorch zip checkpoint (name it .pt, .pth or .bin)" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("path", REFERENCED, ids=lambda p: p.name)
 def test_parameters_buffers_and_constants_read_as_torch_jit_load_gives_them(path: Path) -> None:
     want = reference(path)

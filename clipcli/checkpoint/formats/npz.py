@@ -21,7 +21,7 @@ from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.plugin import Finding, Format, Opened, refusals
 from clipcli.checkpoint.source import LOCAL, Store, read_head
 from clipcli.checkpoint.tensor import Span, StoredCrc, TensorInfo, ZipMember
-from clipcli.checkpoint.zipmember import DATA_ERRORS, MemberStream, crc_findings, data_start
+from clipcli.checkpoint.zipmember import DATA_ERRORS, MemberStream, crc_findings, data_start, torch_record
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
@@ -68,6 +68,8 @@ def open_file(path: Path, store: Store = LOCAL, audit: Audit | None = None) -> t
     audit = Audit() if audit is None else audit
     try:
         with store.open(path) as archive, zipfile.ZipFile(archive) as z, store.open(path) as raw:
+            if any(torch_record(name) for name in z.namelist()):  # torch.jit.save writes its storages first
+                raise FileTypeError("not an .npz file: a PyTorch zip checkpoint (name it .pt, .pth or .bin)", path)
             tensors, seen = [], set()
             for member in z.infolist():
                 if member.is_dir():

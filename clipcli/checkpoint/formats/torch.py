@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import lzma
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -61,7 +62,7 @@ from clipcli.checkpoint.formats.torch_write import check_file, check_tensor, wri
 from clipcli.checkpoint.plugin import Finding, Format, Opened, refusals
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Held, Piece, Pieces, Span, TensorInfo
-from clipcli.checkpoint.zipmember import crc_findings, zip_data_start
+from clipcli.checkpoint.zipmember import crc_findings, torch_record, zip_data_start
 from clipcli.errors import (
     ClipcliError,
     FileTypeError,
@@ -537,7 +538,6 @@ def _one_line(e: BaseException) -> str:
 # -- the format -------------------------------------------------------------------------------------
 
 # The records of a torch archive (torch.save or torch.jit.save), in its one folder; an .npz holds .npy files.
-_TORCH_RECORDS = ("data.pkl", "constants.pkl", "version")
 _ZIP = (b"PK\x03\x04", b"PK\x05\x06")
 
 
@@ -545,21 +545,16 @@ def _sniff(head: bytes, f: BinaryIO | None = None) -> bool:
     """A zip whose first record is torch's (or, the file `f` given, any record: torch.jit.save writes its
     storages first), or a pickle of torch's legacy magic number."""
     if head.startswith(_ZIP):
-        return _is_torch_record(first_zip_member(head)) or (f is not None and _has_torch_record(f))
+        return torch_record(first_zip_member(head)) or (f is not None and _has_torch_record(f))
     return head[:1] in (b"\x80", b"L") and _starts_with_torch_magic(head)  # L: protocols 0 and 1 write a LONG
 
 
 def _has_torch_record(f: BinaryIO) -> bool:
     try:
         with zipfile.ZipFile(f) as z:
-            return any(_is_torch_record(name) for name in z.namelist())
+            return any(torch_record(name) for name in z.namelist())
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return False  # the reader says what is wrong with it
-
-
-def _is_torch_record(name: str) -> bool:
-    folder, _, record = name.partition("/")
-    return bool(folder) and (record in _TORCH_RECORDS or record.startswith("code/"))
 
 
 def _starts_with_torch_magic(head: bytes) -> bool:
@@ -572,7 +567,8 @@ def _starts_with_torch_magic(head: bytes) -> bool:
 
 
 def _describe_head(head: bytes) -> str | None:
-    if _sniff(head):
+    first = first_zip_member(head) if head.startswith(_ZIP) else ""
+    if _sniff(head) or re.fullmatch(r"[^/]+/data/[0-9]+", first):  # torch.jit.save writes a storage first
         kind = "zip" if head.startswith(b"PK") else "legacy"
         return f"a PyTorch {kind} checkpoint (name it .pt, .pth or .bin)"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):

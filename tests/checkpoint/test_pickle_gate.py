@@ -3,13 +3,14 @@ written, and with paths (URLs included) shown as given. Hostile files are never 
 
 from __future__ import annotations
 
+import re
 import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_hostile_calls import SENTINEL, call, hostile_files
+from tests.checkpoint.test_hostile_calls import SENTINEL, call, hostile_files, torch_file
 from tests.helpers import DATA, ROOT, run_bounded, torchscript_jit
 from tests.servers import range_server
 
@@ -97,3 +98,21 @@ def test_a_url_is_shown_as_given_in_the_warning_and_the_error(in_tmp: None) -> N
     assert gated.returncode == 1 and lines[0] == plain.stderr.splitlines()[0], gated
     assert lines[1].startswith(f"clipcli: error: {url}: torch.load would call"), gated
     assert item.returncode == 3 and f"name its directory ({server.url}/dcp) instead" in item.stderr, item
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+# without STOP, a legacy file's stream runs on into its next pickle and stops at an opcode of the data after it
+@pytest.mark.parametrize(
+    ("end", "says"), [(b"\xff", "unknown pickle opcode 0xff"), (b"", "without a STOP opcode|unknown pickle opcode")]
+)
+def test_a_malformed_stream_after_a_hostile_call_names_the_call(
+    tmp_path: Path, in_tmp: None, legacy: bool, end: bytes, says: str
+) -> None:
+    """Still exit 3 (malformed), but the one line says what the file attempted before the machine stopped."""
+    pkl = b"\x80\x02" + call("os", "system", f"touch {SENTINEL}", "reduce") + b"0" + end
+    path = torch_file(tmp_path / "bad.pt", pkl, legacy)
+    r = run_bounded("inspect", path.name, seconds=30, cwd=tmp_path)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 3 and len(lines) == 1 and re.search(says, lines[0]), r
+    assert lines[0].endswith("; before that it would call os.system"), r
+    assert not (tmp_path / SENTINEL).exists()

@@ -95,18 +95,13 @@ def handled_errors(debug: bool, command: str) -> Iterator[None]:
 
     `command`: the module of `clipcli.commands` the command runs, imported first (`_import_command`).
     """
-    unsafe: list[str] = []
     try:
         _import_command(command)
         _lost_reports.clear()
-        with _pickles_vetted(unsafe):
+        with _pickles_vetted():
             yield
         if _lost_reports:  # no gate failed: the lost report is the outcome
             raise _lost_reports.pop()
-        if unsafe and any(opts.UNSAFE_PICKLE_GATE):
-            from clipcli.errors import CheckFailedError
-
-            raise CheckFailedError(f"{unsafe[0]} (--fail-unsafe-pickle)")
     except KeyboardInterrupt:
         _stopped(ExitStatus.INTERRUPTED)
     except Terminated:
@@ -121,10 +116,11 @@ def handled_errors(debug: bool, command: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _pickles_vetted(unsafe: list[str]) -> Iterator[None]:
-    """Warns once per file whose pickle would call a global outside torch's weights-only allowlist (as each
-    checkpoint opens), and collects those lines in `unsafe` for --fail-unsafe-pickle."""
+def _pickles_vetted() -> Iterator[None]:
+    """Warns once per file whose pickle would call a global outside torch's weights-only allowlist, as each
+    checkpoint opens; with --fail-unsafe-pickle, fails there (exit 1), before any output is made."""
     from clipcli.checkpoint.reader import OPEN_HOOKS
+    from clipcli.errors import CheckFailedError, shown_path
 
     seen: set[str] = set()
 
@@ -132,9 +128,12 @@ def _pickles_vetted(unsafe: list[str]) -> Iterator[None]:
         for audit in ckpt.pickle_audits:
             if audit.unsafe_calls and audit.file not in seen:
                 seen.add(audit.file)
-                line = f"{audit.file}: {audit.loader} would call {', '.join(audit.unsafe_calls)}"
-                unsafe.append(line)
-                typer.echo(f"clipcli: warning: {printable(line)} (never called here)", err=True)
+                calls = f"{audit.loader} would call {', '.join(audit.unsafe_calls)}"
+                typer.echo(
+                    f"clipcli: warning: {printable(f'{shown_path(audit.file)}: {calls}')} (never called here)", err=True
+                )
+                if any(opts.UNSAFE_PICKLE_GATE):
+                    raise CheckFailedError(f"{calls} (--fail-unsafe-pickle)", audit.file)
 
     OPEN_HOOKS.append(vet)
     try:

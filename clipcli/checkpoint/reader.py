@@ -340,8 +340,12 @@ def open_checkpoint(path: str | os.PathLike[str], store: Store | None = None) ->
 def _opened(path: Path, store: Store) -> Checkpoint:
     """The checkpoint at a path known to exist, checked, and shown to every `OPEN_HOOKS` function."""
     ckpt = _checked_text(_open(path, store))
-    for hook in OPEN_HOOKS:
-        hook(ckpt)
+    try:
+        for hook in OPEN_HOOKS:
+            hook(ckpt)
+    except BaseException:
+        ckpt.close()
+        raise
     return ckpt
 
 

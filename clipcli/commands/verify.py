@@ -97,7 +97,7 @@ def verify(
     store: Store | None = None,
 ) -> VerifyReport:
     """The defects of a checkpoint's structure (`find_defects`: headers and sizes, zip members' CRCs), then,
-    where it opens, its differences from the manifest (every selected tensor hashed) and, with `values`, its
+    where it opens (which audits its pickles, for the command line's warning and gate), its differences from the manifest (every selected tensor hashed) and, with `values`, its
     floating tensors holding NaN or Inf or all zeros (one norm pass).
 
     A checkpoint whose format clipcli knows is verified whatever is wrong with it: its defects are findings.
@@ -115,19 +115,19 @@ def verify(
     fmt, found = find_defects(path, store)
     problems = [_problem(f) for f in found]
     compared, values = None, False
-    if checks_tensors:
-        try:
-            with open_checkpoint(path, store) as ckpt:
+    try:  # opened even for the structure alone: its pickles audited (the command line's warning and gate)
+        with open_checkpoint(path, store) as ckpt:
+            if checks_tensors:
                 fmt = ckpt.format
-                if options.manifest is not None:
-                    compared = _compare(ckpt, options.manifest, options, progress)
-                if options.values:
-                    problems += _value_problems(ckpt, options, progress)
-                    values = True
-        except InputError:
-            if not problems:
-                raise
-            # the defects found say why it cannot be read: they are the report
+            if options.manifest is not None:
+                compared = _compare(ckpt, options.manifest, options, progress)
+            if options.values:
+                problems += _value_problems(ckpt, options, progress)
+                values = True
+    except InputError:
+        if checks_tensors and not problems:
+            raise
+        # the defects found say why it cannot be read: they are the report
     return VerifyReport(path=str(path), format=fmt, findings=tuple(problems), manifest=compared, values=values)
 
 

@@ -171,6 +171,12 @@ def unpickle_at(
     machine = _Machine(bytes(data), offset, resolve, persistent_load, audit or Audit(), placeholders)
     try:
         return machine.run()
+    except MalformedError as e:
+        if not machine.audit.inert_calls:
+            raise
+        # what a file attempted is what a user vetting it wants to know, even of a stream that is malformed
+        calls = ", ".join(sorted(machine.audit.inert_calls))
+        raise type(e)(f"{e.message}; before that it would call {calls}", e.path, e.tensor) from e
     except ClipcliError:
         raise
     except RecursionError as e:  # comparing keys nested MAX_DEPTH deep near the interpreter's limit
@@ -684,7 +690,7 @@ class _Machine:
     def _made(self, p: Placeholder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An object made from a placeholder: recorded, never made."""
         self._charge_work((*args, *kwargs.values()), p.name)
-        self.audit.called(p.name)
+        self.audit.called(p.name, inert=True)
         self.stack.append(Placeholder(p.name, args, kwargs))
 
     def _call(self, f: Constructor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -740,7 +746,7 @@ class _Machine:
             _build_attributes(target, state)
         elif isinstance(target, Placeholder):
             if target.args is None:  # an object's own BUILD is part of making it, already counted
-                self.audit.called(target.name)
+                self.audit.called(target.name, inert=True)
             target.build(state)
         elif isinstance(target, Record):
             target.build(state)

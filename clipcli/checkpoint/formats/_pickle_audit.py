@@ -103,6 +103,7 @@ class Audit:
     def __init__(self) -> None:
         self.uses: dict[str, list[int]] = {}  # name: [references, calls]
         self.weights_only = True
+        self.inert_calls: set[str] = set()  # the globals called that only placeholders stand for (none of clipcli's)
 
     def named(self, name: str) -> None:
         """A GLOBAL (STACK_GLOBAL, INST) names it."""
@@ -113,8 +114,11 @@ class Audit:
                 self.weights_only = False
         use[0] += 1
 
-    def called(self, name: str) -> None:
-        """REDUCE, NEWOBJ, INST, OBJ or BUILD would call it (or an object it made)."""
+    def called(self, name: str, inert: bool = False) -> None:
+        """REDUCE, NEWOBJ, INST, OBJ or BUILD would call it (or an object it made); `inert`: a placeholder
+        stands for it."""
+        if inert:
+            self.inert_calls.add(name)
         use = self.uses.get(name)
         if use is None:  # an object's global named in another pickle of the file: still this file's
             use = self.uses[name] = [0, 0]

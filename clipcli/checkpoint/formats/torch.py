@@ -70,6 +70,7 @@ from clipcli.errors import (
     MalformedError,
     MissingFileError,
     UnsupportedError,
+    shown_path,
 )
 
 __all__ = [
@@ -163,7 +164,7 @@ def _open(
     if Path(path).suffix == ".distcp":  # torch.save archives one after another: only the whole directory reads
         raise FileTypeError(
             f"one file of a distributed checkpoint, which reads only as a whole: name its directory "
-            f"({Path(path).parent}) instead",
+            f"({shown_path(str(Path(path).parent))}) instead",
             path,
         )
     metadata, tensors, script = _read_torch(path, start, end, None, store, audit)

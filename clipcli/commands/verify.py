@@ -97,8 +97,9 @@ def verify(
     store: Store | None = None,
 ) -> VerifyReport:
     """The defects of a checkpoint's structure (`find_defects`: headers and sizes, zip members' CRCs), then,
-    where it opens (which audits its pickles, for the command line's warning and gate), its differences from the manifest (every selected tensor hashed) and, with `values`, its
-    floating tensors holding NaN or Inf or all zeros (one norm pass).
+    where it opens (which audits its pickles, for the command line's warning and gate), its differences from
+    the manifest (every selected tensor hashed) and, with `values`, its floating tensors holding NaN or Inf or
+    all zeros (one norm pass).
 
     A checkpoint whose format clipcli knows is verified whatever is wrong with it: its defects are findings.
 

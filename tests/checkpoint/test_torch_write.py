@@ -254,6 +254,66 @@ def test_clipping_a_pt_in_place_replaces_it_and_keeps_its_structure(tmp_path):
     assert all(np.abs(v).max() <= np.float32(0.01) for v in values.values() if v.dtype == np.float32 and v.size)
 
 
+class _Stub:
+    def __init__(self, *args: object) -> None:
+        self.args = args
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+
+class _Loader(pickle.Unpickler):
+    """Python's unpickler over a pickle clipcli wrote: every global a stub, every storage its key."""
+
+    def find_class(self, module: str, name: str) -> object:
+        return dict if (module, name) == ("collections", "OrderedDict") else type(name, (_Stub,), {})
+
+    def persistent_load(self, pid: tuple) -> str:
+        return pid[2]
+
+
+def _root(pt: Path) -> object:
+    """The object a .pt written by clipcli holds, as Python's unpickler reads it (tensors as stubs)."""
+    import io
+
+    with zipfile.ZipFile(pt) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    return _Loader(io.BytesIO(data)).load()
+
+
+SCRIPTS = sorted(p for p in (TORCH_DATA / "script").iterdir() if p.suffix in (".pt", ".jit", ".ptl"))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_a_torchscript_archive_is_written_as_the_flat_state_dict_clipcli_reports(tmp_path, path):
+    out = tmp_path / "out.pt"
+    ok("convert", path, "-o", out)
+    names = [t["name"] for t in js("inspect", path)["checkpoints"][0]["tensors"]]
+    root = _root(out)
+    assert type(root) is dict and list(root) == names and all(isinstance(v, _Stub) for v in root.values())
+    assert _hashes(out) == _hashes(path)
+    if _torch_python():  # it loads into the module torch.jit.load gives; constants are kept, under their names
+        body = f"m = torch.jit.load({str(path)!r})\nprint(m.load_state_dict(o, strict=False))"
+        unexpected = [n for n in names if n.startswith("CONSTANTS.")]
+        assert (
+            _torch_script(out, body) == f"_IncompatibleKeys(missing_keys=[], unexpected_keys={unexpected})"
+            if (unexpected)
+            else "<All keys matched successfully>"
+        )
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".bin"])
+def test_a_torchscript_archive_is_never_replaced_in_place(tmp_path, suffix):
+    path = tmp_path / f"model{suffix}"
+    shutil.copy(TORCH_DATA / "script" / "sequential.pt", path)
+    before = digest(path)
+    for dry in ([], ["--dry-run"]):
+        result = run("clip-global-norm", path, "--in-place", "--clip-norm", "1", *dry)
+        assert result.exit_code == 2 and "TorchScript" in result.output and "-o OUT.pt" in result.output
+    assert digest(path) == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    ok("clip-global-norm", path, "-o", tmp_path / "sd.pt", "--clip-norm", "1")  # its state dict, elsewhere
+
+
 def test_a_failed_write_leaves_no_file_and_the_input_untouched(tmp_path):
     path = tmp_path / "grads.pt"
     shutil.copy(TORCH_DATA / "grads.pt", path)

@@ -38,7 +38,7 @@ import numpy as np
 
 from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
 from clipcli.checkpoint.tensor import Pieces, Span, TensorInfo
-from clipcli.errors import UnsupportedError
+from clipcli.errors import UnsupportedError, UsageError
 
 # dtype name -> the typed storage class torch pickles it with (None: an UntypedStorage, `_rebuild_tensor_v3`)
 _STORAGE = {
@@ -229,35 +229,35 @@ _SKIP = object()  # what _layout gives for what the output leaves out
 
 
 def _layout(tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
-    """The object to pickle: the input's own structure (the tensors of one PyTorch file), or a dict of the
-    tensors in order.
+    """The object to pickle: the input's own structure (the tensors of one torch.save file), or a dict of the
+    tensors in order (from any other input, a TorchScript archive's included: its `state_dict()` names).
 
     Raises:
         UnsupportedError: for a metadata leaf that is not plain data (a placeholder, a dtype, a set, ...).
     """
-    if _from_one_torch_file(tensors):
-        path = Path(tensors[0].file)
-        return _rebuild(_read_root(path), path.stem, tensors, metadata)
+    source = _torch_source(tensors)
+    if source is not None and not source[2]:
+        path, root, _ = source
+        return _rebuild(root, path.stem, tensors, metadata)
     return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
 
 
-def _from_one_torch_file(tensors: list[TensorInfo]) -> bool:
-    """Whether the tensors all come from one torch.save file (not a distributed checkpoint's), read locally."""
+def _torch_source(tensors: list[TensorInfo]) -> tuple[Path, Any, bool] | None:
+    """The file the tensors all come from, its object and whether it is TorchScript, when that is one PyTorch
+    file (not a distributed checkpoint's), read locally; None otherwise."""
+    from clipcli.checkpoint.formats.torch import read_root  # here: torch's reader imports this module
     from clipcli.checkpoint.registry import file_format  # here: the registry imports the formats
 
     files = {t.file for t in tensors}
     if len(files) != 1 or tensors[0].file.endswith(".distcp"):
-        return False
+        return None
+    path = Path(tensors[0].file)
     try:
-        return file_format(Path(tensors[0].file)) == "torch"
+        if file_format(path) != "torch":
+            return None
     except OSError:
-        return False
-
-
-def _read_root(path: Path) -> Any:
-    from clipcli.checkpoint.formats.torch import read_root  # here: torch's reader imports this module
-
-    return read_root(path)
+        return None
+    return (path, *read_root(path))
 
 
 def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
@@ -486,17 +486,27 @@ def _layout_keys(tensors: list[TensorInfo]) -> frozenset[str]:
 
 
 def check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
-    """Refuses, before anything is written, metadata a .pt output does not hold (`_layout`): from a PyTorch file, a
-    leaf that is not plain data (a placeholder); from any other input, any but the layout keys (strings of a
+    """Refuses, before anything is written, a TorchScript archive written over itself (its program would be lost)
+    and metadata a .pt output does not hold (`_layout`): from a torch.save file, a leaf that is not plain data (a
+    placeholder); from any other input (a TorchScript archive's included), any but the layout keys (strings of a
     safetensors header, the leaves of PyTorch shards or of a distributed checkpoint): a state dict has no place
     for them.
 
     Raises:
+        UsageError: for a TorchScript archive replaced in place.
         UnsupportedError: saying what, and that --drop-metadata writes the tensors without it.
     """
+    source = _torch_source(tensors) if tensors else None
+    if source is not None and source[2] and _same_file(target, source[0]):
+        raise UsageError(
+            "is a TorchScript archive: writing it in place would replace its program (code/, constants.pkl) by a "
+            "state dict, which torch.jit.load cannot load; write its state dict with -o OUT.pt, or -o OUT.safetensors",
+            source[0],
+            "--in-place",
+        )
     try:
         kept = [key for key in metadata if key not in _layout_keys(tensors)]
-        if kept and not _from_one_torch_file(tensors):
+        if kept and (source is None or source[2]):
             n = len(kept)
             keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
             raise UnsupportedError(
@@ -508,3 +518,10 @@ def check_file(target: Path, tensors: list[TensorInfo], source_format: str, meta
     except UnsupportedError as e:
         e.path = str(target)
         raise
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False

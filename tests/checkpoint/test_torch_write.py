@@ -314,6 +314,42 @@ def test_a_torchscript_archive_is_never_replaced_in_place(tmp_path, suffix):
     ok("clip-global-norm", path, "-o", tmp_path / "sd.pt", "--clip-norm", "1")  # its state dict, elsewhere
 
 
+def _list_file(path: Path, first: object) -> Path:
+    """A torch.save-like archive of {'layers': [first, tensor [1, 2]]}, its pickle written by clipcli's pickler."""
+    from types import SimpleNamespace
+
+    ref = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+    ref.key, ref.numel_of_storage = "1", 2
+    if first is None:
+        first = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+        first.key, first.numel_of_storage = "0", 2
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("lst/data.pkl", torch_write._Pickler().dump({"layers": [first, ref]}))
+        z.writestr("lst/byteorder", "little")
+        z.writestr("lst/data/0", np.zeros(2, np.float32).tobytes())
+        z.writestr("lst/data/1", np.array([1, 2], np.float32).tobytes())
+        z.writestr("lst/version", "3\n")
+    return path
+
+
+def test_an_item_left_out_of_a_list_never_renumbers_those_after_it(tmp_path):
+    source = _list_file(tmp_path / "lst.pt", None)
+    assert [t["name"] for t in js("inspect", source)["checkpoints"][0]["tensors"]] == ["layers.0", "layers.1"]
+    result = run("convert", source, "-o", tmp_path / "o.pt", "--exclude", "layers.0")
+    assert result.exit_code == 3 and not (tmp_path / "o.pt").exists(), result.output
+    assert result.stderr.startswith(f"clipcli: error: {tmp_path / 'o.pt'}: tensor layers.0: is left out of the list")
+    assert "select all of layers" in result.stderr and result.stderr.count("\n") == 1
+    ok("convert", source, "-o", tmp_path / "o.pt", "--exclude", "layers.1")  # the first items keep their names
+    assert len(_root(tmp_path / "o.pt")["layers"]) == 1
+    assert _hashes(tmp_path / "o.pt") == _hashes(source, "--exclude", "layers.1")
+    ok("convert", source, "-o", tmp_path / "o.safetensors", "--exclude", "layers.0")  # which keeps every name
+    # a placeholder before a tensor in a list: dropped with the metadata, it would renumber the tensor too
+    source = _list_file(tmp_path / "ph.pt", torch_write._Call("argparse", "Namespace", ()))
+    result = run("convert", source, "-o", tmp_path / "ph_o.pt", "--drop-metadata")
+    assert result.exit_code == 3 and "tensor layers.0: is left out of the list layers" in result.stderr
+    assert not (tmp_path / "ph_o.pt").exists()
+
+
 def test_a_failed_write_leaves_no_file_and_the_input_untouched(tmp_path):
     path = tmp_path / "grads.pt"
     shutil.copy(TORCH_DATA / "grads.pt", path)

@@ -291,11 +291,15 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
             return _TensorRef(t)
         children = _children(obj)
         if children is not None and (children or depth == 0):
-            kept = []
+            kept, gap = [], None
             for key, value in children:
                 part = key if type(key) is str else _key_text(key)
                 item = walk(value, part if name is None else f"{name}.{part}", depth + 1)
-                if item is not _SKIP:
+                if item is _SKIP:
+                    gap = gap or (part if name is None else f"{name}.{part}")
+                elif gap is not None and not isinstance(obj, dict):
+                    raise _renumbered(gap, label, obj)
+                else:
                     kept.append((_plain_key(key, label), item))
             if isinstance(obj, dict):
                 return (OrderedDict if type(obj) is not dict else dict)(kept)
@@ -314,6 +318,17 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
         for t in left:
             out[t.name] = _TensorRef(t)
     return out
+
+
+def _renumbered(gap: str, label: str, items: Any) -> UnsupportedError:
+    """The refusal of a list (or tuple) with an item left out before others kept: torch numbers its items, and
+    those after the gap would take other names."""
+    return UnsupportedError(
+        f"is left out of the {type(items).__name__} {label} ({len(items)} items), which would renumber the items "
+        f"after it in a .pt; select all of {label} or only its first items, or write .safetensors (which keeps "
+        "every name)",
+        tensor=gap,
+    )
 
 
 def _plain(value: Any, name: str) -> Any:

@@ -205,6 +205,7 @@ def test_tied_names_share_one_storage_and_a_clip_that_separates_them_is_refused(
     result = run("clip-value", TORCH_DATA / "tied.pt", "-o", tmp_path / "one.pt", "--min", "0", "--max", "0.1",
                  "--include", "emb.weight")  # fmt: skip
     assert result.exit_code == 3 and "shares its storage with 'emb.weight'" in result.stderr, result.output
+    assert result.stderr.startswith(f"clipcli: error: {TORCH_DATA / 'tied.pt'}: tensor head.weight: shares its")
     assert not (tmp_path / "one.pt").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "clipped.pt",
         "tied.pt",
@@ -348,6 +349,20 @@ def test_an_item_left_out_of_a_list_never_renumbers_those_after_it(tmp_path):
     result = run("convert", source, "-o", tmp_path / "ph_o.pt", "--drop-metadata")
     assert result.exit_code == 3 and "tensor layers.0: is left out of the list layers" in result.stderr
     assert not (tmp_path / "ph_o.pt").exists()
+
+
+def test_an_object_member_of_an_npz_is_refused_with_what_writes_the_rest(tmp_path):
+    source = DATA / "npz" / "objects.npz"
+    with zipfile.ZipFile(source) as z:  # the members NumPy's loader needs allow_pickle for
+        objects = [n[:-4] for n in z.namelist() if b"\x80" in z.read(n)[:200] or b"'O" in z.read(n)[:200]]
+    result = run("convert", source, "-o", tmp_path / "o.pt")
+    assert result.exit_code == 3 and not (tmp_path / "o.pt").exists()
+    first = objects[0]
+    assert f"tensor {first}: dtype object has no place in a .pt" in result.stderr
+    assert f"give --exclude {first} to write the other tensors, or write .npz" in result.stderr
+    assert ".safetensors" not in result.stderr.removeprefix(f"clipcli: error: {tmp_path / 'o.pt'}")
+    ok("convert", source, "-o", tmp_path / "o.pt", *[a for n in objects for a in ("--exclude", n)])
+    assert _hashes(tmp_path / "o.pt") == _hashes(source, *[a for n in objects for a in ("--exclude", n)])
 
 
 def test_a_failed_write_leaves_no_file_and_the_input_untouched(tmp_path):

@@ -27,6 +27,7 @@ unpickler allows); from any other input, a dict of the tensors in order.
 from __future__ import annotations
 
 import hashlib
+import shlex
 import struct
 import zlib
 from collections import OrderedDict
@@ -460,7 +461,8 @@ def _check_tied(t: TensorInfo, first: _TensorRef, written: dict[str, int], chunk
         raise UnsupportedError(
             f"shares its storage with {first.tensor.name!r} (tied weights), but this write changes one and not "
             "the other: select both or neither, or write .safetensors (which holds them apart)",
-            tensor=t.name,
+            t.file,
+            t.name,
         )
     return n
 
@@ -485,7 +487,10 @@ def check_tensor(t: TensorInfo) -> None:
         UnsupportedError: naming the dtype.
     """
     if t.dtype not in _STORAGE or t.array_dtype is None:
-        raise UnsupportedError(f"dtype {t.dtype} has no place in a .pt written by clipcli; write .safetensors or .npz")
+        raise UnsupportedError(
+            f"dtype {t.dtype} has no place in a .pt written by clipcli; give --exclude {shlex.quote(t.name)} to "
+            "write the other tensors, or write .npz"
+        )
 
 
 def _layout_keys(tensors: list[TensorInfo]) -> frozenset[str]:

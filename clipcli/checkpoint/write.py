@@ -123,7 +123,7 @@ def save(
                 fmt = registry.get(output_kind(target))
                 ordered = _c_order(chunks) if fmt.c_order else chunks
                 assert fmt.write is not None
-                fmt.write(f, group, source.metadata, ordered, _expect(target))
+                fmt.write(f, group, source.metadata, ordered, _expect(target), source.store)
             written.append(target)
         return [*written, *registry.directory_writer().finish(layout)]
 
@@ -334,7 +334,7 @@ def _check_format(target: Path, tensors: list[TensorInfo], source: Checkpoint) -
             except UnsupportedError as e:
                 raise UnsupportedError(e.message, target, t.name) from e
     if fmt.check_file is not None:
-        fmt.check_file(target, tensors, source.format, source.metadata)
+        fmt.check_file(target, tensors, source.format, source.metadata, source.store)
 
 
 def _c_order(chunks: ChunkSource) -> ChunkSource:

@@ -365,6 +365,20 @@ def test_an_object_member_of_an_npz_is_refused_with_what_writes_the_rest(tmp_pat
     assert _hashes(tmp_path / "o.pt") == _hashes(source, *[a for n in objects for a in ("--exclude", n)])
 
 
+@pytest.mark.parametrize("name", ["nested.pt", "single.pt", "nested_legacy.pt"])
+def test_a_pytorch_file_at_a_url_keeps_its_structure_as_from_its_file(tmp_path, name):
+    from tests.servers import range_server
+
+    (tmp_path / "local").mkdir()
+    ok("convert", TORCH_DATA / name, "-o", tmp_path / "local" / name)
+    ok("convert", TORCH_DATA / name, "-o", tmp_path / "local" / f"d_{name}", "--drop-metadata")
+    with range_server({name: TORCH_DATA / name}) as server:
+        ok("convert", f"{server.url}/{name}", "-o", tmp_path / name)
+        ok("convert", f"{server.url}/{name}", "-o", tmp_path / f"d_{name}", "--drop-metadata")
+    for out in (name, f"d_{name}"):  # the same bytes as from the local file: its dicts, lists and metadata
+        assert (tmp_path / out).read_bytes() == (tmp_path / "local" / out).read_bytes(), out
+
+
 def test_a_failed_write_leaves_no_file_and_the_input_untouched(tmp_path):
     path = tmp_path / "grads.pt"
     shutil.copy(TORCH_DATA / "grads.pt", path)

@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
+from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import Pieces, Span, TensorInfo
 from clipcli.errors import UnsupportedError, UsageError
 
@@ -229,23 +230,23 @@ class _Pickler:
 _SKIP = object()  # what _layout gives for what the output leaves out
 
 
-def _layout(tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
+def _layout(tensors: list[TensorInfo], metadata: dict[str, str], store: Store) -> Any:
     """The object to pickle: the input's own structure (the tensors of one torch.save file), or a dict of the
     tensors in order (from any other input, a TorchScript archive's included: its `state_dict()` names).
 
     Raises:
         UnsupportedError: for a metadata leaf that is not plain data (a placeholder, a dtype, a set, ...).
     """
-    source = _torch_source(tensors)
+    source = _torch_source(tensors, store)
     if source is not None and not source[2]:
         path, root, _ = source
         return _rebuild(root, path.stem, tensors, metadata)
     return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
 
 
-def _torch_source(tensors: list[TensorInfo]) -> tuple[Path, Any, bool] | None:
+def _torch_source(tensors: list[TensorInfo], store: Store) -> tuple[Path, Any, bool] | None:
     """The file the tensors all come from, its object and whether it is TorchScript, when that is one PyTorch
-    file (not a distributed checkpoint's), read locally; None otherwise."""
+    file (not a distributed checkpoint's), read from `store` (the source's: local or remote); None otherwise."""
     from clipcli.checkpoint.formats.torch import read_root  # here: torch's reader imports this module
     from clipcli.checkpoint.registry import file_format  # here: the registry imports the formats
 
@@ -254,11 +255,11 @@ def _torch_source(tensors: list[TensorInfo]) -> tuple[Path, Any, bool] | None:
         return None
     path = Path(tensors[0].file)
     try:
-        if file_format(path) != "torch":
+        if file_format(path, store) != "torch":
             return None
     except OSError:
         return None
-    return (path, *read_root(path))
+    return (path, *read_root(path, store))
 
 
 def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
@@ -393,13 +394,15 @@ def write(
     metadata: dict[str, str],
     chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
     expect: Callable[[TensorInfo, int], None],
+    store: Store = LOCAL,
 ) -> None:
-    """Writes the tensors, in order, as a torch.save archive (see the module's docstring).
+    """Writes the tensors, in order, as a torch.save archive (see the module's docstring); a PyTorch source's
+    structure is read from `store`, where its file is.
 
     Raises:
         UnsupportedError: for a metadata leaf a .pt cannot hold, or tied names that this write makes differ.
     """
-    obj = _layout(tensors, metadata)
+    obj = _layout(tensors, metadata, store)
     refs: list[_TensorRef] = []
     _collect(obj, refs)
     by_tensor = {id(r.tensor): r for r in refs}
@@ -505,7 +508,9 @@ def _layout_keys(tensors: list[TensorInfo]) -> frozenset[str]:
     return keys
 
 
-def check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
+def check_file(
+    target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str], store: Store = LOCAL
+) -> None:
     """Refuses, before anything is written, a TorchScript archive written over itself (its program would be lost)
     and metadata a .pt output does not hold (`_layout`): from a torch.save file, a leaf that is not plain data (a
     placeholder); from any other input (a TorchScript archive's included), any but the layout keys (strings of a
@@ -516,7 +521,7 @@ def check_file(target: Path, tensors: list[TensorInfo], source_format: str, meta
         UsageError: for a TorchScript archive replaced in place.
         UnsupportedError: saying what, and that --drop-metadata writes the tensors without it.
     """
-    source = _torch_source(tensors) if tensors else None
+    source = _torch_source(tensors, store) if tensors else None
     if source is not None and source[2] and _same_file(target, source[0]):
         raise UsageError(
             "is a TorchScript archive: writing it in place would replace its program (code/, constants.pkl) by a "
@@ -534,7 +539,7 @@ def check_file(target: Path, tensors: list[TensorInfo], source_format: str, meta
                 "has no place in a .pt (a state dict of tensors); give --drop-metadata to write the tensors "
                 "without it"
             )
-        _layout(tensors, metadata)
+        _layout(tensors, metadata, store)
     except UnsupportedError as e:
         e.path = str(target)
         raise

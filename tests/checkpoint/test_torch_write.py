@@ -195,12 +195,14 @@ def test_the_same_input_gives_the_same_bytes(tmp_path):
 
 def test_tied_names_share_one_storage_and_a_clip_that_separates_them_is_refused(tmp_path):
     out = tmp_path / "tied.pt"
-    ok("convert", TORCH_DATA / "tied.pt", "-o", out)
+    table = ok("convert", TORCH_DATA / "tied.pt", "-o", out).stdout
+    assert table.splitlines()[-1] == "tied: emb.weight, head.weight (one storage in the output)"
     with zipfile.ZipFile(out) as z:
         assert [n for n in z.namelist() if "/data/" in n] == ["tied/data/0"]
     assert js("inspect", out)["checkpoints"][0]["shared_storage"] == [["emb.weight", "head.weight"]]
     clipped = tmp_path / "clipped.pt"
-    ok("clip-global-norm", TORCH_DATA / "tied.pt", "-o", clipped, "--clip-norm", "1")
+    table = ok("clip-global-norm", TORCH_DATA / "tied.pt", "-o", clipped, "--clip-norm", "1").stdout
+    assert "tied: emb.weight, head.weight (one storage in the output)" in table
     assert js("global-norm", clipped)["checkpoints"][0]["global_norm"] == pytest.approx(1.0, rel=1e-6)
     result = run("clip-value", TORCH_DATA / "tied.pt", "-o", tmp_path / "one.pt", "--min", "0", "--max", "0.1",
                  "--include", "emb.weight")  # fmt: skip
@@ -212,6 +214,19 @@ def test_tied_names_share_one_storage_and_a_clip_that_separates_them_is_refused(
     ]
     if _torch_python():
         assert _torch_script(out, "print(int(o['emb.weight'].data_ptr() == o['head.weight'].data_ptr()))") == "1"
+
+
+def test_views_of_one_storage_are_reported_as_the_pt_writes_them(tmp_path):
+    table = ok("convert", TORCH_DATA / "views.pt", "-o", tmp_path / "v.pt").stdout
+    lines = [x for x in table.splitlines() if x.startswith("tied: ")]
+    after = js("inspect", tmp_path / "v.pt")["checkpoints"][0]["shared_storage"]  # what the .pt holds
+    before = js("inspect", TORCH_DATA / "views.pt")["checkpoints"][0]["shared_storage"]
+    assert len(lines) == len(before)
+    for line, names in zip(lines, before, strict=True):
+        kept = [g for g in after if set(g) <= set(names)]
+        assert ("written as separate copies" in line) == (not kept), line
+    dry = ok("convert", TORCH_DATA / "views.pt", "-o", tmp_path / "x.pt", "--dry-run").stdout
+    assert "one storage in the file" in dry
 
 
 def test_a_placeholder_is_refused_by_name_unless_metadata_is_dropped(tmp_path):

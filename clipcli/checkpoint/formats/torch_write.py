@@ -388,6 +388,20 @@ def _same_view(a: TensorInfo, b: TensorInfo) -> bool:
     return False
 
 
+def kept_shared(tensors: list[TensorInfo]) -> tuple[tuple[str, ...], ...]:
+    """The groups of names that a .pt of `tensors` writes on one storage: a storage's first name and the later
+    names of the same view (as `write` ties them)."""
+    first: dict[str, TensorInfo] = {}
+    groups: dict[str, list[str]] = {}
+    for t in tensors:
+        if t.storage is None:
+            continue
+        earlier = first.setdefault(t.storage, t)
+        if earlier is not t and _same_view(earlier, t):
+            groups.setdefault(earlier.name, [earlier.name]).append(t.name)
+    return tuple(tuple(names) for names in groups.values())
+
+
 def write(
     f: BinaryIO,
     tensors: list[TensorInfo],

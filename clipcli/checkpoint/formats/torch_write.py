@@ -21,7 +21,10 @@ refused); other views are written as tensors of their own. What the object holds
 structure it was saved with (its dicts, lists and tuples, in order), each tensor where it was, and the
 non-tensor leaves still in the checkpoint's metadata where they are plain data (numbers, strings, booleans,
 None, empty containers, and bytes, sets, complex numbers, dtypes and devices, which torch's weights-only
-unpickler allows); from any other input, a dict of the tensors in order.
+unpickler allows); from any other input, a TorchScript archive's included (its `state_dict()` names, and its
+constants as `CONSTANTS.cN`), a dict of the tensors in order. An item left out of a list or tuple before items
+kept is refused (those after it would be renumbered), and so is a TorchScript archive written over itself (its
+program would be lost).
 """
 
 from __future__ import annotations

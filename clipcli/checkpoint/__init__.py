@@ -31,6 +31,7 @@ from clipcli.checkpoint.write import (
     placed,
     plan,
     save,
+    shared_in_output,
     transposed,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "run",
     "run_pairs",
     "save",
+    "shared_in_output",
     "transposed",
 ]
 

@@ -133,7 +133,8 @@ class Format:
     look further), `describe` names what such bytes are in a message about
     a file that is not what its name says. A writable format has `write` (the tensors, in order, from their
     chunks), and where its data can be written in any order once its header is, `header`; `check_tensor` and
-    `check_file` refuse, before anything is written, what it cannot hold (raising UnsupportedError).
+    `check_file` refuse, before anything is written, what it cannot hold (raising UnsupportedError); `write` and
+    `check_file` are given the store the source is read from (`torch_write` reads its structure there).
     `c_order` says it holds values in C order only; `layout_keys`, the metadata keys that say how a file was
     written, not what it holds; `directory_writer`, how it writes a directory of files, where it does;
     `plural`, what messages call its files. `findings` (for `verify`) lists every defect it sees in a file or
@@ -148,10 +149,10 @@ class Format:
     open_file: Callable[[Path, Store], tuple[dict[str, str], list[TensorInfo]]] | None = None
     recognises: Callable[[Path, Store], bool] | None = None
     open: Callable[[Path, Store], Opened] | None = None
-    write: Callable[[BinaryIO, list[TensorInfo], dict[str, str], Chunks, Expect], None] | None = None
+    write: Callable[[BinaryIO, list[TensorInfo], dict[str, str], Chunks, Expect, Store], None] | None = None
     header: Callable[[list[TensorInfo], dict[str, str]], bytes] | None = None
     check_tensor: Callable[[TensorInfo], None] | None = None
-    check_file: Callable[[Path, list[TensorInfo], str, dict[str, str]], None] | None = None
+    check_file: Callable[[Path, list[TensorInfo], str, dict[str, str], Store], None] | None = None
     c_order: bool = False
     layout_keys: frozenset[str] = frozenset()
     directory_writer: DirectoryWriter | None = None

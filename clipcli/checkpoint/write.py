@@ -29,6 +29,16 @@ def output_kind(path: Path) -> str:
     return registry.directory_writer().kind_of(path.name) or registry.named_by(path.name) or DIRECTORY
 
 
+def shared_in_output(target: Path | None, tensors: list[TensorInfo]) -> tuple[tuple[str, ...], ...]:
+    """The groups of names on one storage of the input that the output at `target` keeps on one storage: a
+    .pt's (`torch_write.kept_shared`); none in any other format, or without an output."""
+    if target is None or output_kind(Path(target)) != "torch":
+        return ()
+    from clipcli.checkpoint.formats.torch_write import kept_shared  # here: the registry imports the formats
+
+    return kept_shared(tensors)
+
+
 def _in_directory(kind: str) -> bool:
     """Whether an output of this kind is written by the directory writer (a directory, or an index of shards)."""
     return kind == DIRECTORY or kind in registry.directory_writer().written
@@ -123,7 +133,7 @@ def save(
                 fmt = registry.get(output_kind(target))
                 ordered = _c_order(chunks) if fmt.c_order else chunks
                 assert fmt.write is not None
-                fmt.write(f, group, source.metadata, ordered, _expect(target))
+                fmt.write(f, group, source.metadata, ordered, _expect(target), source.store)
             written.append(target)
         return [*written, *registry.directory_writer().finish(layout)]
 
@@ -334,7 +344,7 @@ def _check_format(target: Path, tensors: list[TensorInfo], source: Checkpoint) -
             except UnsupportedError as e:
                 raise UnsupportedError(e.message, target, t.name) from e
     if fmt.check_file is not None:
-        fmt.check_file(target, tensors, source.format, source.metadata)
+        fmt.check_file(target, tensors, source.format, source.metadata, source.store)
 
 
 def _c_order(chunks: ChunkSource) -> ChunkSource:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, TensorInfo
+from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, TensorInfo, shared_in_output
 from clipcli.commands import passes
 from clipcli.commands.measure import Measured, check_nonfinite, measure, measured, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
@@ -110,6 +110,7 @@ def _finish(
         global_norm_after=total_after.result().norm,
         output=None if o.output is None else str(o.output),
         shared=shared_storages(ckpt.tensors),  # every tensor is written, the unselected as they were
+        shared_kept=shared_in_output(o.output, ckpt.tensors),
         **fields,
     )
 

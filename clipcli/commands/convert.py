@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from clipcli.checkpoint import Checkpoint, check_plan
+from clipcli.checkpoint import Checkpoint, check_plan, shared_in_output
 from clipcli.commands.inspect import listing_fields
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection
@@ -60,4 +60,5 @@ def convert(ckpt: Checkpoint, options: ConvertOptions, progress: Progress = NO_P
         output=None if o.dry_run else str(o.target),
         files=tuple(files),
         indexed=layout.index is not None,
+        shared_kept=shared_in_output(o.target, tensors),
     )

@@ -21,6 +21,7 @@ class Listing:
     summary: Summary
     tensors: tuple[InspectRow, ...] = ()
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
+    shared_kept: tuple[tuple[str, ...], ...] = ()  # of those, the names the output keeps on one storage (.pt)
     several_files: bool = False  # a layout of several files (shards, a distributed checkpoint): the table names each
     # a pickle-based checkpoint's audit: {"loads_with_weights_only": bool, "globals": [{"name", "use", "count"}]}
     pickle: dict[str, Any] | None = None
@@ -143,4 +144,4 @@ class ConvertReport(Listing, Report):
             lines.append(
                 f"{plural(len(self.left_out), 'tensor')} left out by --include/--exclude (listed in --format json)"
             )
-        return [lines + shared_lines(self.shared, written=self.output is not None)]
+        return [lines + shared_lines(self.shared, self.output is not None, self.shared_kept)]

@@ -42,6 +42,7 @@ class Norms:
     tensors: tuple[TensorRow, ...] = ()
     skipped: tuple[Skipped, ...] = ()
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
+    shared_kept: tuple[tuple[str, ...], ...] = ()  # of those, the names the output keeps on one storage (.pt)
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -96,7 +97,7 @@ class Norms:
         return lines
 
     def _tail(self, written: bool) -> list[str]:
-        lines = shared_lines(self.shared, written)
+        lines = shared_lines(self.shared, written, self.shared_kept)
         unselected = [s for s in self.skipped if s.reason.startswith(("not selected", "excluded"))]
         lines += _skipped_lines([s for s in self.skipped if s not in unselected])
         if unselected:

@@ -108,10 +108,24 @@ def ord_value(p: float) -> Any:
     return "inf" if math.isinf(p) else int(p) if p == int(p) else p
 
 
-def shared_lines(shared: Sequence[Sequence[str]], written: bool) -> list[str]:
-    """A line per group of tensors on one storage (tied weights in a PyTorch file)."""
-    what = "written as separate copies" if written else "one storage in the file"
-    return [f"tied: {', '.join(names)} ({what})" for names in shared]
+def shared_lines(shared: Sequence[Sequence[str]], written: bool, kept: Sequence[Sequence[str]] = ()) -> list[str]:
+    """A line per group of tensors on one storage (tied weights in a PyTorch file); `kept`: the groups an output
+    written keeps on one storage (a .pt's, of one view), the others written as separate copies."""
+    together = {name for names in kept for name in names}
+    lines = []
+    for names in shared:
+        if not written:
+            what = "one storage in the file"
+        elif set(names) <= together:
+            what = "one storage in the output"
+        elif set(names) & together:
+            what = (
+                "one storage in the output for " + ", ".join(n for n in names if n in together) + ", copies of the rest"
+            )
+        else:
+            what = "written as separate copies"
+        lines.append(f"tied: {', '.join(names)} ({what})")
+    return lines
 
 
 _BLOCKS = " ▏▎▍▌▋▊▉█"

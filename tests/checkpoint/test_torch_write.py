@@ -195,22 +195,38 @@ def test_the_same_input_gives_the_same_bytes(tmp_path):
 
 def test_tied_names_share_one_storage_and_a_clip_that_separates_them_is_refused(tmp_path):
     out = tmp_path / "tied.pt"
-    ok("convert", TORCH_DATA / "tied.pt", "-o", out)
+    table = ok("convert", TORCH_DATA / "tied.pt", "-o", out).stdout
+    assert table.splitlines()[-1] == "tied: emb.weight, head.weight (one storage in the output)"
     with zipfile.ZipFile(out) as z:
         assert [n for n in z.namelist() if "/data/" in n] == ["tied/data/0"]
     assert js("inspect", out)["checkpoints"][0]["shared_storage"] == [["emb.weight", "head.weight"]]
     clipped = tmp_path / "clipped.pt"
-    ok("clip-global-norm", TORCH_DATA / "tied.pt", "-o", clipped, "--clip-norm", "1")
+    table = ok("clip-global-norm", TORCH_DATA / "tied.pt", "-o", clipped, "--clip-norm", "1").stdout
+    assert "tied: emb.weight, head.weight (one storage in the output)" in table
     assert js("global-norm", clipped)["checkpoints"][0]["global_norm"] == pytest.approx(1.0, rel=1e-6)
     result = run("clip-value", TORCH_DATA / "tied.pt", "-o", tmp_path / "one.pt", "--min", "0", "--max", "0.1",
                  "--include", "emb.weight")  # fmt: skip
     assert result.exit_code == 3 and "shares its storage with 'emb.weight'" in result.stderr, result.output
+    assert result.stderr.startswith(f"clipcli: error: {TORCH_DATA / 'tied.pt'}: tensor head.weight: shares its")
     assert not (tmp_path / "one.pt").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "clipped.pt",
         "tied.pt",
     ]
     if _torch_python():
         assert _torch_script(out, "print(int(o['emb.weight'].data_ptr() == o['head.weight'].data_ptr()))") == "1"
+
+
+def test_views_of_one_storage_are_reported_as_the_pt_writes_them(tmp_path):
+    table = ok("convert", TORCH_DATA / "views.pt", "-o", tmp_path / "v.pt").stdout
+    lines = [x for x in table.splitlines() if x.startswith("tied: ")]
+    after = js("inspect", tmp_path / "v.pt")["checkpoints"][0]["shared_storage"]  # what the .pt holds
+    before = js("inspect", TORCH_DATA / "views.pt")["checkpoints"][0]["shared_storage"]
+    assert len(lines) == len(before)
+    for line, names in zip(lines, before, strict=True):
+        kept = [g for g in after if set(g) <= set(names)]
+        assert ("written as separate copies" in line) == (not kept), line
+    dry = ok("convert", TORCH_DATA / "views.pt", "-o", tmp_path / "x.pt", "--dry-run").stdout
+    assert "one storage in the file" in dry
 
 
 def test_a_placeholder_is_refused_by_name_unless_metadata_is_dropped(tmp_path):
@@ -252,6 +268,130 @@ def test_clipping_a_pt_in_place_replaces_it_and_keeps_its_structure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adam.pt"]
     values = _read_all(path)
     assert all(np.abs(v).max() <= np.float32(0.01) for v in values.values() if v.dtype == np.float32 and v.size)
+
+
+class _Stub:
+    def __init__(self, *args: object) -> None:
+        self.args = args
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+
+class _Loader(pickle.Unpickler):
+    """Python's unpickler over a pickle clipcli wrote: every global a stub, every storage its key."""
+
+    def find_class(self, module: str, name: str) -> object:
+        return dict if (module, name) == ("collections", "OrderedDict") else type(name, (_Stub,), {})
+
+    def persistent_load(self, pid: tuple) -> str:
+        return pid[2]
+
+
+def _root(pt: Path) -> object:
+    """The object a .pt written by clipcli holds, as Python's unpickler reads it (tensors as stubs)."""
+    import io
+
+    with zipfile.ZipFile(pt) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    return _Loader(io.BytesIO(data)).load()
+
+
+SCRIPTS = sorted(p for p in (TORCH_DATA / "script").iterdir() if p.suffix in (".pt", ".jit", ".ptl"))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_a_torchscript_archive_is_written_as_the_flat_state_dict_clipcli_reports(tmp_path, path):
+    out = tmp_path / "out.pt"
+    ok("convert", path, "-o", out)
+    names = [t["name"] for t in js("inspect", path)["checkpoints"][0]["tensors"]]
+    root = _root(out)
+    assert type(root) is dict and list(root) == names and all(isinstance(v, _Stub) for v in root.values())
+    assert _hashes(out) == _hashes(path)
+    if _torch_python():  # it loads into the module torch.jit.load gives; constants are kept, under their names
+        body = f"m = torch.jit.load({str(path)!r})\nprint(m.load_state_dict(o, strict=False))"
+        unexpected = [n for n in names if n.startswith("CONSTANTS.")]
+        assert (
+            _torch_script(out, body) == f"_IncompatibleKeys(missing_keys=[], unexpected_keys={unexpected})"
+            if (unexpected)
+            else "<All keys matched successfully>"
+        )
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".bin"])
+def test_a_torchscript_archive_is_never_replaced_in_place(tmp_path, suffix):
+    path = tmp_path / f"model{suffix}"
+    shutil.copy(TORCH_DATA / "script" / "sequential.pt", path)
+    before = digest(path)
+    for dry in ([], ["--dry-run"]):
+        result = run("clip-global-norm", path, "--in-place", "--clip-norm", "1", *dry)
+        assert result.exit_code == 2 and "TorchScript" in result.output and "-o OUT.pt" in result.output
+    assert digest(path) == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    ok("clip-global-norm", path, "-o", tmp_path / "sd.pt", "--clip-norm", "1")  # its state dict, elsewhere
+
+
+def _list_file(path: Path, first: object) -> Path:
+    """A torch.save-like archive of {'layers': [first, tensor [1, 2]]}, its pickle written by clipcli's pickler."""
+    from types import SimpleNamespace
+
+    ref = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+    ref.key, ref.numel_of_storage = "1", 2
+    if first is None:
+        first = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+        first.key, first.numel_of_storage = "0", 2
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("lst/data.pkl", torch_write._Pickler().dump({"layers": [first, ref]}))
+        z.writestr("lst/byteorder", "little")
+        z.writestr("lst/data/0", np.zeros(2, np.float32).tobytes())
+        z.writestr("lst/data/1", np.array([1, 2], np.float32).tobytes())
+        z.writestr("lst/version", "3\n")
+    return path
+
+
+def test_an_item_left_out_of_a_list_never_renumbers_those_after_it(tmp_path):
+    source = _list_file(tmp_path / "lst.pt", None)
+    assert [t["name"] for t in js("inspect", source)["checkpoints"][0]["tensors"]] == ["layers.0", "layers.1"]
+    result = run("convert", source, "-o", tmp_path / "o.pt", "--exclude", "layers.0")
+    assert result.exit_code == 3 and not (tmp_path / "o.pt").exists(), result.output
+    assert result.stderr.startswith(f"clipcli: error: {tmp_path / 'o.pt'}: tensor layers.0: is left out of the list")
+    assert "select all of layers" in result.stderr and result.stderr.count("\n") == 1
+    ok("convert", source, "-o", tmp_path / "o.pt", "--exclude", "layers.1")  # the first items keep their names
+    assert len(_root(tmp_path / "o.pt")["layers"]) == 1
+    assert _hashes(tmp_path / "o.pt") == _hashes(source, "--exclude", "layers.1")
+    ok("convert", source, "-o", tmp_path / "o.safetensors", "--exclude", "layers.0")  # which keeps every name
+    # a placeholder before a tensor in a list: dropped with the metadata, it would renumber the tensor too
+    source = _list_file(tmp_path / "ph.pt", torch_write._Call("argparse", "Namespace", ()))
+    result = run("convert", source, "-o", tmp_path / "ph_o.pt", "--drop-metadata")
+    assert result.exit_code == 3 and "tensor layers.0: is left out of the list layers" in result.stderr
+    assert not (tmp_path / "ph_o.pt").exists()
+
+
+def test_an_object_member_of_an_npz_is_refused_with_what_writes_the_rest(tmp_path):
+    source = DATA / "npz" / "objects.npz"
+    with zipfile.ZipFile(source) as z:  # the members NumPy's loader needs allow_pickle for
+        objects = [n[:-4] for n in z.namelist() if b"\x80" in z.read(n)[:200] or b"'O" in z.read(n)[:200]]
+    result = run("convert", source, "-o", tmp_path / "o.pt")
+    assert result.exit_code == 3 and not (tmp_path / "o.pt").exists()
+    first = objects[0]
+    assert f"tensor {first}: dtype object has no place in a .pt" in result.stderr
+    assert f"give --exclude {first} to write the other tensors, or write .npz" in result.stderr
+    assert ".safetensors" not in result.stderr.removeprefix(f"clipcli: error: {tmp_path / 'o.pt'}")
+    ok("convert", source, "-o", tmp_path / "o.pt", *[a for n in objects for a in ("--exclude", n)])
+    assert _hashes(tmp_path / "o.pt") == _hashes(source, *[a for n in objects for a in ("--exclude", n)])
+
+
+@pytest.mark.parametrize("name", ["nested.pt", "single.pt", "nested_legacy.pt"])
+def test_a_pytorch_file_at_a_url_keeps_its_structure_as_from_its_file(tmp_path, name):
+    from tests.servers import range_server
+
+    (tmp_path / "local").mkdir()
+    ok("convert", TORCH_DATA / name, "-o", tmp_path / "local" / name)
+    ok("convert", TORCH_DATA / name, "-o", tmp_path / "local" / f"d_{name}", "--drop-metadata")
+    with range_server({name: TORCH_DATA / name}) as server:
+        ok("convert", f"{server.url}/{name}", "-o", tmp_path / name)
+        ok("convert", f"{server.url}/{name}", "-o", tmp_path / f"d_{name}", "--drop-metadata")
+    for out in (name, f"d_{name}"):  # the same bytes as from the local file: its dicts, lists and metadata
+        assert (tmp_path / out).read_bytes() == (tmp_path / "local" / out).read_bytes(), out
 
 
 def test_a_failed_write_leaves_no_file_and_the_input_untouched(tmp_path):

@@ -244,6 +244,7 @@ def write(
     metadata: dict[str, str],
     chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
     expect: Callable[[TensorInfo, int], None],
+    store: Store = LOCAL,
 ) -> None:
     """Writes one tensor as a .npy file (the metadata has nowhere to go)."""
     (t,) = tensors
@@ -340,7 +341,9 @@ def check_metadata(target: Path, metadata: dict[str, str]) -> None:
         )
 
 
-def _check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
+def _check_file(
+    target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str], store: Store = LOCAL
+) -> None:
     """One tensor, named as the file (unless it came from a .npy), and no metadata."""
     if len(tensors) != 1:
         raise UnsupportedError(f"a .npy file holds one tensor, the checkpoint has {len(tensors)}", target)

@@ -149,6 +149,7 @@ def write(
     metadata: dict[str, str],
     chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
     expect: Callable[[TensorInfo, int], None],
+    store: Store = LOCAL,
 ) -> None:
     """Writes tensors as the members of an .npz; each keeps the compression its source member had.
 
@@ -219,7 +220,9 @@ def _check_tensor(t: TensorInfo) -> None:
     check_member_name(tensor_member(t))
 
 
-def _check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
+def _check_file(
+    target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str], store: Store = LOCAL
+) -> None:
     _npy.check_metadata(target, metadata)
 
 

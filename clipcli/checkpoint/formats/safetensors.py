@@ -236,6 +236,7 @@ def write(
     metadata: dict[str, str],
     chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
     expect: Callable[[TensorInfo, int], None],
+    store: Store = LOCAL,
 ) -> None:
     """Writes a header for the tensors, then their data in C order, in the order given."""
     f.write(header(tensors, metadata))

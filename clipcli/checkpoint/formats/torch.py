@@ -286,15 +286,16 @@ def _unpickled(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int,
     return root, storages, False, pickle_size, False
 
 
-def read_root(path: Path, store: Store = LOCAL) -> Any:
+def read_root(path: Path, store: Store = LOCAL) -> tuple[Any, bool]:
     """The object a torch.save file holds, as the pickle machine builds it (tensors as records, never their data),
-    for a writer that keeps its structure (`torch_write`).
+    for a writer that keeps its structure (`torch_write`), and whether the file is a TorchScript archive.
 
     Raises:
         what `read_torch` raises.
     """
     with store.open(path) as f:
-        return _unpickled(_Region(f, 0, size_of(f)), Audit())[0]
+        root, _, _, _, script = _unpickled(_Region(f, 0, size_of(f)), Audit())
+        return root, script
 
 
 # what zipfile raises for a damaged archive (see formats/npz.py, which reads .npz the same way)

@@ -21,12 +21,16 @@ refused); other views are written as tensors of their own. What the object holds
 structure it was saved with (its dicts, lists and tuples, in order), each tensor where it was, and the
 non-tensor leaves still in the checkpoint's metadata where they are plain data (numbers, strings, booleans,
 None, empty containers, and bytes, sets, complex numbers, dtypes and devices, which torch's weights-only
-unpickler allows); from any other input, a dict of the tensors in order.
+unpickler allows); from any other input, a TorchScript archive's included (its `state_dict()` names, and its
+constants as `CONSTANTS.cN`), a dict of the tensors in order. An item left out of a list or tuple before items
+kept is refused (those after it would be renumbered), and so is a TorchScript archive written over itself (its
+program would be lost).
 """
 
 from __future__ import annotations
 
 import hashlib
+import shlex
 import struct
 import zlib
 from collections import OrderedDict
@@ -37,8 +41,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
+from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import Pieces, Span, TensorInfo
-from clipcli.errors import UnsupportedError
+from clipcli.errors import UnsupportedError, UsageError
 
 # dtype name -> the typed storage class torch pickles it with (None: an UntypedStorage, `_rebuild_tensor_v3`)
 _STORAGE = {
@@ -228,36 +233,36 @@ class _Pickler:
 _SKIP = object()  # what _layout gives for what the output leaves out
 
 
-def _layout(tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
-    """The object to pickle: the input's own structure (the tensors of one PyTorch file), or a dict of the
-    tensors in order.
+def _layout(tensors: list[TensorInfo], metadata: dict[str, str], store: Store) -> Any:
+    """The object to pickle: the input's own structure (the tensors of one torch.save file), or a dict of the
+    tensors in order (from any other input, a TorchScript archive's included: its `state_dict()` names).
 
     Raises:
         UnsupportedError: for a metadata leaf that is not plain data (a placeholder, a dtype, a set, ...).
     """
-    if _from_one_torch_file(tensors):
-        path = Path(tensors[0].file)
-        return _rebuild(_read_root(path), path.stem, tensors, metadata)
+    source = _torch_source(tensors, store)
+    if source is not None and not source[2]:
+        path, root, _ = source
+        return _rebuild(root, path.stem, tensors, metadata)
     return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
 
 
-def _from_one_torch_file(tensors: list[TensorInfo]) -> bool:
-    """Whether the tensors all come from one torch.save file (not a distributed checkpoint's), read locally."""
+def _torch_source(tensors: list[TensorInfo], store: Store) -> tuple[Path, Any, bool] | None:
+    """The file the tensors all come from, its object and whether it is TorchScript, when that is one PyTorch
+    file (not a distributed checkpoint's), read from `store` (the source's: local or remote); None otherwise."""
+    from clipcli.checkpoint.formats.torch import read_root  # here: torch's reader imports this module
     from clipcli.checkpoint.registry import file_format  # here: the registry imports the formats
 
     files = {t.file for t in tensors}
     if len(files) != 1 or tensors[0].file.endswith(".distcp"):
-        return False
+        return None
+    path = Path(tensors[0].file)
     try:
-        return file_format(Path(tensors[0].file)) == "torch"
+        if file_format(path, store) != "torch":
+            return None
     except OSError:
-        return False
-
-
-def _read_root(path: Path) -> Any:
-    from clipcli.checkpoint.formats.torch import read_root  # here: torch's reader imports this module
-
-    return read_root(path)
+        return None
+    return (path, *read_root(path, store))
 
 
 def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
@@ -291,11 +296,15 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
             return _TensorRef(t)
         children = _children(obj)
         if children is not None and (children or depth == 0):
-            kept = []
+            kept, gap = [], None
             for key, value in children:
                 part = key if type(key) is str else _key_text(key)
                 item = walk(value, part if name is None else f"{name}.{part}", depth + 1)
-                if item is not _SKIP:
+                if item is _SKIP:
+                    gap = gap or (part if name is None else f"{name}.{part}")
+                elif gap is not None and not isinstance(obj, dict):
+                    raise _renumbered(gap, label, obj)
+                else:
                     kept.append((_plain_key(key, label), item))
             if isinstance(obj, dict):
                 return (OrderedDict if type(obj) is not dict else dict)(kept)
@@ -314,6 +323,17 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
         for t in left:
             out[t.name] = _TensorRef(t)
     return out
+
+
+def _renumbered(gap: str, label: str, items: Any) -> UnsupportedError:
+    """The refusal of a list (or tuple) with an item left out before others kept: torch numbers its items, and
+    those after the gap would take other names."""
+    return UnsupportedError(
+        f"is left out of the {type(items).__name__} {label} ({len(items)} items), which would renumber the items "
+        f"after it in a .pt; select all of {label} or only its first items, or write .safetensors (which keeps "
+        "every name)",
+        tensor=gap,
+    )
 
 
 def _plain(value: Any, name: str) -> Any:
@@ -371,19 +391,35 @@ def _same_view(a: TensorInfo, b: TensorInfo) -> bool:
     return False
 
 
+def kept_shared(tensors: list[TensorInfo]) -> tuple[tuple[str, ...], ...]:
+    """The groups of names that a .pt of `tensors` writes on one storage: a storage's first name and the later
+    names of the same view (as `write` ties them)."""
+    first: dict[str, TensorInfo] = {}
+    groups: dict[str, list[str]] = {}
+    for t in tensors:
+        if t.storage is None:
+            continue
+        earlier = first.setdefault(t.storage, t)
+        if earlier is not t and _same_view(earlier, t):
+            groups.setdefault(earlier.name, [earlier.name]).append(t.name)
+    return tuple(tuple(names) for names in groups.values())
+
+
 def write(
     f: BinaryIO,
     tensors: list[TensorInfo],
     metadata: dict[str, str],
     chunks: Callable[[TensorInfo], Iterable[np.ndarray]],
     expect: Callable[[TensorInfo, int], None],
+    store: Store = LOCAL,
 ) -> None:
-    """Writes the tensors, in order, as a torch.save archive (see the module's docstring).
+    """Writes the tensors, in order, as a torch.save archive (see the module's docstring); a PyTorch source's
+    structure is read from `store`, where its file is.
 
     Raises:
         UnsupportedError: for a metadata leaf a .pt cannot hold, or tied names that this write makes differ.
     """
-    obj = _layout(tensors, metadata)
+    obj = _layout(tensors, metadata, store)
     refs: list[_TensorRef] = []
     _collect(obj, refs)
     by_tensor = {id(r.tensor): r for r in refs}
@@ -445,7 +481,8 @@ def _check_tied(t: TensorInfo, first: _TensorRef, written: dict[str, int], chunk
         raise UnsupportedError(
             f"shares its storage with {first.tensor.name!r} (tied weights), but this write changes one and not "
             "the other: select both or neither, or write .safetensors (which holds them apart)",
-            tensor=t.name,
+            t.file,
+            t.name,
         )
     return n
 
@@ -470,7 +507,10 @@ def check_tensor(t: TensorInfo) -> None:
         UnsupportedError: naming the dtype.
     """
     if t.dtype not in _STORAGE or t.array_dtype is None:
-        raise UnsupportedError(f"dtype {t.dtype} has no place in a .pt written by clipcli; write .safetensors or .npz")
+        raise UnsupportedError(
+            f"dtype {t.dtype} has no place in a .pt written by clipcli; give --exclude {shlex.quote(t.name)} to "
+            "write the other tensors, or write .npz"
+        )
 
 
 def _layout_keys(tensors: list[TensorInfo]) -> frozenset[str]:
@@ -485,18 +525,30 @@ def _layout_keys(tensors: list[TensorInfo]) -> frozenset[str]:
     return keys
 
 
-def check_file(target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str]) -> None:
-    """Refuses, before anything is written, metadata a .pt output does not hold (`_layout`): from a PyTorch file, a
-    leaf that is not plain data (a placeholder); from any other input, any but the layout keys (strings of a
+def check_file(
+    target: Path, tensors: list[TensorInfo], source_format: str, metadata: dict[str, str], store: Store = LOCAL
+) -> None:
+    """Refuses, before anything is written, a TorchScript archive written over itself (its program would be lost)
+    and metadata a .pt output does not hold (`_layout`): from a torch.save file, a leaf that is not plain data (a
+    placeholder); from any other input (a TorchScript archive's included), any but the layout keys (strings of a
     safetensors header, the leaves of PyTorch shards or of a distributed checkpoint): a state dict has no place
     for them.
 
     Raises:
+        UsageError: for a TorchScript archive replaced in place.
         UnsupportedError: saying what, and that --drop-metadata writes the tensors without it.
     """
+    source = _torch_source(tensors, store) if tensors else None
+    if source is not None and source[2] and _same_file(target, source[0]):
+        raise UsageError(
+            "is a TorchScript archive: writing it in place would replace its program (code/, constants.pkl) by a "
+            "state dict, which torch.jit.load cannot load; write its state dict with -o OUT.pt, or -o OUT.safetensors",
+            source[0],
+            "--in-place",
+        )
     try:
         kept = [key for key in metadata if key not in _layout_keys(tensors)]
-        if kept and not _from_one_torch_file(tensors):
+        if kept and (source is None or source[2]):
             n = len(kept)
             keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
             raise UnsupportedError(
@@ -504,7 +556,14 @@ def check_file(target: Path, tensors: list[TensorInfo], source_format: str, meta
                 "has no place in a .pt (a state dict of tensors); give --drop-metadata to write the tensors "
                 "without it"
             )
-        _layout(tensors, metadata)
+        _layout(tensors, metadata, store)
     except UnsupportedError as e:
         e.path = str(target)
         raise
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False

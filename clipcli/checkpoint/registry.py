@@ -9,7 +9,7 @@ from typing import BinaryIO
 from clipcli.checkpoint import source
 from clipcli.checkpoint.plugin import DirectoryWriter, Format, Opened
 from clipcli.checkpoint.source import LOCAL, Store
-from clipcli.errors import FileTypeError
+from clipcli.errors import FileTypeError, shown_path
 
 # A format is a module under formats/ and a line here: its name, module and the suffixes that name it. In
 # this order first bytes are sniffed (torch's zips before other zips) and directories recognised (a
@@ -157,6 +157,12 @@ def format_of(path: Path, store: Store = LOCAL) -> Format:
     name = named_by(path.name)
     if name is None:  # no suffix clipcli knows: the first bytes tell
         name = file_format(path, store)
+        if name is None and path.name == ".metadata":  # torch.distributed.checkpoint's: the directory reads
+            raise FileTypeError(
+                "the metadata of a distributed checkpoint, which reads only as a whole: name its directory "
+                f"({shown_path(str(path.parent))}) instead",
+                path,
+            )
         if name is None or get(name).open_file is None:
             raise FileTypeError(
                 "unknown checkpoint suffix (expected .safetensors, .safetensors.index.json, .npz, .npy, .pt, "

@@ -121,3 +121,13 @@ def test_a_chunk_past_the_end_of_its_file(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-100])
     result = run("global-norm", copy)
     assert result.exit_code == 3 and result.stderr.count("\n") == 1
+
+
+def test_the_metadata_file_named_alone_names_the_directory_to_give():
+    # found by a new user: `inspect CKPT/.metadata` said "unknown checkpoint suffix ... a Python pickle"
+    # (a lone `__0_0.distcp` already named its directory)
+    result = run("inspect", TESTS_DATA / "dcp" / "single" / ".metadata")
+    assert result.exit_code == 3
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "the metadata of a distributed checkpoint" in lines[0], lines
+    assert f"name its directory ({TESTS_DATA / 'dcp' / 'single'}) instead" in lines[0], lines

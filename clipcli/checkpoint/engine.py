@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from clipcli.checkpoint import workers
-from clipcli.checkpoint.decode import as_values, decode, stored_type
+from clipcli.checkpoint.decode import as_values, decode, equal_values, pair_values, stored_type
 from clipcli.checkpoint.tensor import Span
 
 if TYPE_CHECKING:
@@ -406,7 +406,7 @@ class _PairWorker(_Worker):
             return
         if task.whole:
             va, vb = (reader.read_flat(t) for reader, t in zip(self.readers, (a, b), strict=True))
-            kernel.pair(task.pair, 0, va, vb, _equal_values(va, vb))
+            kernel.pair(task.pair, 0, va, vb, equal_values(va, vb))
             progress(a.nbytes + b.nbytes)
             return
         raw = []
@@ -452,7 +452,7 @@ class _PairWorker(_Worker):
         chunks_b = self.readers[1].chunks(b, n * items[1], unit=self.block)
         start = 0
         for va, vb in zip(chunks_a, chunks_b, strict=True):
-            kernel.pair(i, start, va, vb, _equal_values(va, vb))
+            kernel.pair(i, start, va, vb, equal_values(va, vb))
             start += va.size
             progress(va.nbytes + vb.nbytes)
 
@@ -485,34 +485,6 @@ def _follows(t: Any, last: Any, first: Any, max_bytes: int) -> bool:
 def _itemsize(t: Any) -> int:
     """Bytes per element as a pair is read: a type carried as bytes is paired byte by byte."""
     return t.array_dtype.itemsize if t.array_dtype is not None else 1
-
-
-def pair_values(a: Any, b: Any, raw_a: np.ndarray, raw_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-    """The values of a pair's bytes read (of tensors `a` and `b`), and whether they are the same: the same
-    dtype and bits."""
-    va, vb = decode(raw_a, a), decode(raw_b, b)
-    return va, vb, _equal_bytes(raw_a, raw_b) if stored_type(a) == stored_type(b) else _equal_values(va, vb)
-
-
-def _equal_values(x: np.ndarray, y: np.ndarray) -> bool:
-    """Whether two arrays (in native byte order) hold the same bits of the same type: a file's byte order is
-    its format's, not its values'."""
-    return x.dtype == y.dtype and _equal_bytes(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
-
-
-def _equal_bytes(x: np.ndarray, y: np.ndarray) -> bool:
-    """Whether two byte arrays are equal: compared 8 bytes at a time (NumPy compares uint64 at memory speed,
-    bytes objects at a fraction), in stretches that grow from 64 KiB, so spans that differ early cost little."""
-    if x.size != y.size:
-        return False
-    whole = x.size - x.size % 8
-    wx, wy = x[:whole].view(np.uint64), y[:whole].view(np.uint64)
-    start, step = 0, 1 << 13
-    while start < wx.size:
-        if not np.array_equal(wx[start : start + step], wy[start : start + step]):
-            return False
-        start, step = start + step, min(step * 4, 1 << 19)
-    return bool((x[whole:] == y[whole:]).all())
 
 
 class _Range(NamedTuple):

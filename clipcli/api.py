@@ -60,7 +60,8 @@ class CheckpointFile:
         """The pickle audit of a pickle-based checkpoint, as `inspect`'s JSON gives it; None for other formats."""
         from clipcli.commands.inspect import pickle_audit
 
-        return pickle_audit(self._ckpt)
+        audit = pickle_audit(self._ckpt)
+        return None if audit is None else audit.fields
 
     @property
     def names(self) -> list[str]:

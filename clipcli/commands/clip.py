@@ -12,6 +12,7 @@ import numpy as np
 
 from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, TensorInfo, shared_in_output
 from clipcli.commands import passes
+from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import Measured, check_nonfinite, measure, measured, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, order, select_to_clip, shared_storages
@@ -111,6 +112,7 @@ def _finish(
         output=None if o.output is None else str(o.output),
         shared=shared_storages(ckpt.tensors),  # every tensor is written, the unselected as they were
         shared_kept=shared_in_output(o.output, ckpt.tensors),
+        pickle=pickle_audit(ckpt),
         **fields,
     )
 

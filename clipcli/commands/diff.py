@@ -12,6 +12,7 @@ import numpy as np
 from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout, pair_values
 from clipcli.commands import passes
 from clipcli.commands.gates import exceeds, limit_text
+from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import NormOptions
 from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress, gathered
 from clipcli.commands.select import Selection, floating, order
@@ -292,6 +293,8 @@ def diff(
         metadata_differs=metadata_differs(a, b, selection),
         groups=groups,
         group_count=len(every),
+        pickle_a=pickle_audit(a),
+        pickle_b=pickle_audit(b),
     )
 
 

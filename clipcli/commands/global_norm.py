@@ -8,6 +8,7 @@ from pathlib import Path
 
 from clipcli.checkpoint import Checkpoint
 from clipcli.commands.gates import exceeds, limit_text
+from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import NormOptions, groups, measure, nonfinite, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import Selection, order, select, shared_storages
@@ -96,6 +97,7 @@ def measured_norms(
         groups=order(every, options.sort, options.top) if options.depth else None,
         group_count=len(every),
         shared=shared_storages(selected),
+        pickle=pickle_audit(ckpt),
     )
     return norms, m.total
 

@@ -8,6 +8,7 @@ from typing import Any
 from clipcli.checkpoint import Checkpoint, TensorInfo
 from clipcli.commands.select import EVERY, Selection, order, shared_storages
 from clipcli.errors import shown_path
+from clipcli.report.audit import PickleAudit
 from clipcli.report.listing import Listing
 from clipcli.report.rows import InspectRow, listed
 
@@ -50,23 +51,26 @@ def listing_fields(
     }
 
 
-def pickle_audit(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """The JSON's `pickle` object of a pickle-based checkpoint, else None: over several pickle files (PyTorch
-    shards), each global's uses summed ("call" if any file calls it), and loaded only if every file loads."""
+def pickle_audit(ckpt: Checkpoint) -> PickleAudit | None:
+    """The pickle audit every report on a pickle-based checkpoint carries (the JSON's `pickle`), else None: over
+    several pickle files (PyTorch shards), each global's uses summed ("call" if any file calls it), and loaded
+    only if every file loads."""
     audits = ckpt.pickle_audits
     if not audits:
         return None
+    unsafe = tuple(sorted({name for a in audits for name in a.unsafe_calls}))
     if len(audits) == 1:
-        return audits[0].to_dict()
+        return PickleAudit(audits[0].to_dict(), unsafe, audits[0].loader)
     uses: dict[str, list[int]] = {}  # name: [references, calls]
     for audit in audits:
         for g in audit.globals:
             counts = uses.setdefault(g.name, [0, 0])
             counts[g.use == "call"] += g.count
-    return {
+    fields = {
         "loads_with_weights_only": all(a.loads_with_weights_only for a in audits),
         "globals": [
             {"name": name, "use": "call" if calls else "name", "count": calls or refs}
             for name, (refs, calls) in sorted(uses.items())
         ],
     }
+    return PickleAudit(fields, unsafe, audits[0].loader)

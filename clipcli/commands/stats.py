@@ -12,6 +12,7 @@ import numpy as np
 from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transposed
 from clipcli.commands import passes
 from clipcli.commands.gates import limit_text
+from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, partition, without_values
 from clipcli.core.blocks import is_floating
@@ -179,6 +180,7 @@ def stats(
         skipped=tuple(skipped),
         groups=None if groups is None else ordered(groups, options.sort, options.top),
         group_count=len(groups or ()),
+        pickle=pickle_audit(ckpt),
     )
 
 

@@ -131,4 +131,5 @@ def _step(
         cosine_first=None if to_first is None else to_first.stats.cosine,
         identical=identical,
         groups=groups,
+        pickle=norms.pickle,
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 from clipcli.checkpoint import Checkpoint, Finding, find_defects, open_checkpoint
 from clipcli.checkpoint.source import Store
 from clipcli.commands.hash import HashOptions, hash_checkpoint
+from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import measure, nonfinite_counts
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, select
@@ -115,9 +116,10 @@ def verify(
         )
     fmt, found = find_defects(path, store)
     problems = [_problem(f) for f in found]
-    compared, values = None, False
+    compared, values, audit = None, False, None
     try:  # opened even for the structure alone: its pickles audited (the command line's warning and gate)
         with open_checkpoint(path, store) as ckpt:
+            audit = pickle_audit(ckpt)
             if checks_tensors:
                 fmt = ckpt.format
             if options.manifest is not None:
@@ -129,7 +131,9 @@ def verify(
         if checks_tensors and not problems:
             raise
         # the defects found say why it cannot be read: they are the report
-    return VerifyReport(path=str(path), format=fmt, findings=tuple(problems), manifest=compared, values=values)
+    return VerifyReport(
+        path=str(path), format=fmt, findings=tuple(problems), manifest=compared, values=values, pickle=audit
+    )
 
 
 def failure(report: VerifyReport) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from clipcli.errors import printable, shown_path
+from clipcli.report.audit import PickleAudit, add_audit, audit_lines
 from clipcli.report.render import (
     SCHEMA,
     Report,
@@ -94,6 +95,8 @@ class DiffReport(Report):
     metadata_differs: tuple[str, ...] = ()  # metadata keys whose values differ or that one side alone has
     groups: tuple[DiffGroup, ...] | None = None
     group_count: int = 0  # the groups there are (--top may show fewer)
+    pickle_a: PickleAudit | None = None  # the audit of A where it is a pickle-based checkpoint
+    pickle_b: PickleAudit | None = None  # of B
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "a", shown_path(self.a))
@@ -193,7 +196,7 @@ class DiffReport(Report):
                 for g in self.groups
             ]  # fmt: skip
             out["group_count"] = self.group_count
-        return out
+        return add_audit(add_audit(out, self.pickle_a, "pickle_a"), self.pickle_b, "pickle_b")
 
     def _csv(self, w: Any) -> None:
         """A row per compared tensor shown, per group, per tensor compared for sameness only, per metadata key
@@ -267,7 +270,7 @@ class DiffReport(Report):
         for m in self.mismatched:
             shapes = f"{shape_text(m.shape_a)} vs {shape_text(m.shape_b)}"
             lines.append(f"not compared: {m.name} ({shapes}): {m.reason}")
-        return [lines]
+        return [lines + audit_lines(self.pickle_a, "A") + audit_lines(self.pickle_b, "B")]
 
 
 def _over(value: float, limit: float) -> bool:

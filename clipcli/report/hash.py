@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from clipcli.errors import shown_path
+from clipcli.report.audit import PickleAudit, add_audit, audit_lines
 from clipcli.report.render import SCHEMA, Report, cell, plural, shape_text, showing, table
 from clipcli.report.rows import Skipped
 
@@ -33,6 +34,7 @@ class CheckpointHashes:
     count: int
     tensors: tuple[HashRow, ...] = ()
     skipped: tuple[Skipped, ...] = ()
+    pickle: PickleAudit | None = None  # a pickle-based checkpoint's audit
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -52,7 +54,8 @@ class HashReport(Report):
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "sha256": t.sha256} for t in c.tensors
             ]
             skipped = [{"name": s.name, "dtype": s.dtype, "reason": s.reason} for s in c.skipped]
-            out.append({"path": c.path, "format": c.format, "hash": c.hash, "tensors": tensors, "skipped": skipped})
+            one = {"path": c.path, "format": c.format, "hash": c.hash, "tensors": tensors, "skipped": skipped}
+            out.append(add_audit(one, c.pickle))
         return {"schema": SCHEMA, "command": self.command, "checkpoints": out}
 
     def _csv(self, w: Any) -> None:
@@ -73,5 +76,5 @@ class HashReport(Report):
             lines += [f"skipped {s.name} ({s.dtype}): {s.reason}" for s in shown[:10]]
             if len(shown) > 10:
                 lines.append(f"... and {plural(len(shown) - 10, 'more skipped tensor')} (listed in --format json)")
-            blocks.append(lines)
+            blocks.append(lines + audit_lines(c.pickle))
         return blocks

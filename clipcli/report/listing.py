@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from clipcli.errors import shown_path
+from clipcli.report.audit import PickleAudit, add_audit, audit_lines
 from clipcli.report.render import SCHEMA, Report, cell, plural, shape_text, shared_lines, showing, size, table
 from clipcli.report.rows import InspectRow, Skipped, Summary
 
@@ -23,8 +24,7 @@ class Listing:
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
     shared_kept: tuple[tuple[str, ...], ...] = ()  # of those, the names the output keeps on one storage (.pt)
     several_files: bool = False  # a layout of several files (shards, a distributed checkpoint): the table names each
-    # a pickle-based checkpoint's audit: {"loads_with_weights_only": bool, "globals": [{"name", "use", "count"}]}
-    pickle: dict[str, Any] | None = None
+    pickle: PickleAudit | None = None  # a pickle-based checkpoint's audit
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -55,15 +55,17 @@ class Listing:
         w.writerow([cell(self.path), "", "", "", self.summary.elements, self.summary.nbytes, "", "global"])
 
 
-def _pickle_lines(audit: dict[str, Any] | None, fmt: str | None) -> list[str]:
+def _pickle_lines(audit: PickleAudit | None, fmt: str | None) -> list[str]:
+    """`inspect`'s lines of the audit: the verdict, then every global the pickles name."""
     if audit is None:
         return []
+    fields = audit.fields
     if fmt in ("npz", "npy"):  # object arrays: NumPy's loader, not torch's, would unpickle them
         lines = ["  pickle (object arrays, which only np.load(allow_pickle=True) unpickles); globals:"]
     else:
-        verdict = "loads" if audit["loads_with_weights_only"] else "does not load"
+        verdict = "loads" if fields["loads_with_weights_only"] else "does not load"
         lines = [f"  pickle: torch.load(weights_only=True) {verdict}; globals:"]
-    return lines + [f"    {g['name']} ({g['use']} x{g['count']})" for g in audit["globals"]]
+    return lines + [f"    {g['name']} ({g['use']} x{g['count']})" for g in fields["globals"]]
 
 
 _CSV_HEADER = ["path", "name", "dtype", "shape", "elements", "nbytes", "file", "kind"]
@@ -84,9 +86,7 @@ class InspectReport(Report):
             one.update({"tensor_count": s.tensors, "elements": s.elements, "nbytes": s.nbytes})
             one["tensors"] = c._tensors_json()
             one["shared_storage"] = [list(names) for names in c.shared]
-            if c.pickle is not None:
-                one["pickle"] = c.pickle
-            out.append(one)
+            out.append(add_audit(one, c.pickle))
         return {"schema": SCHEMA, "command": self.command, "checkpoints": out}
 
     def _csv(self, w: Any) -> None:
@@ -128,7 +128,7 @@ class ConvertReport(Listing, Report):
         out["tensors"] = self._tensors_json()
         out["left_out"] = [s.name for s in self.left_out]
         out["shared_storage"] = [list(names) for names in self.shared]
-        return {"schema": SCHEMA, "command": self.command, "checkpoints": [out]}
+        return {"schema": SCHEMA, "command": self.command, "checkpoints": [add_audit(out, self.pickle)]}
 
     def _csv(self, w: Any) -> None:
         w.writerow(_CSV_HEADER)
@@ -144,4 +144,5 @@ class ConvertReport(Listing, Report):
             lines.append(
                 f"{plural(len(self.left_out), 'tensor')} left out by --include/--exclude (listed in --format json)"
             )
-        return [lines + shared_lines(self.shared, self.output is not None, self.shared_kept)]
+        lines += shared_lines(self.shared, self.output is not None, self.shared_kept)
+        return [lines + audit_lines(self.pickle)]

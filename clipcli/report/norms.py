@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from clipcli.errors import shown_path
+from clipcli.report.audit import PickleAudit, add_audit, audit_lines, several_audit_lines
 from clipcli.report.render import (
     SCHEMA,
     Rendered,
@@ -43,6 +44,7 @@ class Norms:
     skipped: tuple[Skipped, ...] = ()
     shared: tuple[tuple[str, ...], ...] = ()  # names on one storage (tied weights in a PyTorch file)
     shared_kept: tuple[tuple[str, ...], ...] = ()  # of those, the names the output keeps on one storage (.pt)
+    pickle: PickleAudit | None = None  # a pickle-based checkpoint's audit
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -64,7 +66,7 @@ class Norms:
         out["tensors"] = Rendered(tensor_json(t, clip) for t in self.tensors)
         out["skipped"] = [{"name": s.name, "dtype": s.dtype, "reason": s.reason} for s in self.skipped]
         out["shared_storage"] = [list(names) for names in self.shared]
-        return out
+        return add_audit(out, self.pickle)
 
     def _tensor_rows(self, w: Any, clip: bool) -> None:
         for t in self.tensors:
@@ -103,7 +105,7 @@ class Norms:
         if unselected:
             n = len(unselected)
             lines.append(f"{plural(n, 'tensor')} left out by --include/--exclude (listed in --format json)")
-        return lines
+        return lines + audit_lines(self.pickle)
 
 
 def norm_name(p: float) -> str:
@@ -260,6 +262,7 @@ class NormReport(Report):
                 f"of {len(self.checkpoints)} checkpoints (max |x| {fmt(k.max_abs)}, nan {k.nan:,}, inf {k.inf:,})"
             )
         lines += table(headers, rows, right=range(1, 7))
+        lines += several_audit_lines([(c.path, c.pickle) for c in self.checkpoints])
         for c in self.checkpoints:
             if c.groups is not None:
                 lines += ["", f"{c.path}: groups", *c._group_lines()]

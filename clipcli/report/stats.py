@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from clipcli.errors import shown_path
+from clipcli.report.audit import PickleAudit, add_audit, audit_lines
 from clipcli.report.render import (
     COMPACT,
     SCHEMA,
@@ -162,6 +163,7 @@ class CheckpointStats:
     skipped: tuple[Skipped, ...] = ()
     groups: tuple[StatsGroup, ...] | None = None
     group_count: int = 0
+    pickle: PickleAudit | None = None  # a pickle-based checkpoint's audit
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -183,7 +185,7 @@ class StatsReport(Report):
             if c.groups is not None:
                 one["groups"] = Rendered(COMPACT.encode(_group_json(g)) for g in c.groups)
                 one["group_count"] = c.group_count
-            out.append(one)
+            out.append(add_audit(one, c.pickle))
         return {"schema": SCHEMA, "command": self.command, "checkpoints": out}
 
     def _csv(self, w: Any) -> None:
@@ -314,7 +316,7 @@ def _checkpoint_lines(c: CheckpointStats) -> list[str]:
     lines += [f"skipped {x.name} ({x.dtype}): {x.reason}" for x in shown[:10]]
     if len(shown) > 10:
         lines.append(f"... and {plural(len(shown) - 10, 'more skipped tensor')} (listed in --format json)")
-    return lines
+    return lines + audit_lines(c.pickle)
 
 
 def _summary_line(s: StatsSummary) -> str:

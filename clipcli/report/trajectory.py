@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from clipcli.errors import shown_path
+from clipcli.report.audit import PickleAudit, add_audit, several_audit_lines
 from clipcli.report.diff import cosine_text, percent
 from clipcli.report.render import SCHEMA, Report, cell, csv_num, fmt, num, plural, symbols, table
 
@@ -37,6 +38,7 @@ class Step:
     cosine_first: float | None = None
     identical: bool = False
     groups: tuple[StepGroup, ...] = ()
+    pickle: PickleAudit | None = None  # a pickle-based checkpoint's audit
 
     def __post_init__(self) -> None:  # paths as they can be typed back (`shown_path`), in every format
         object.__setattr__(self, "path", shown_path(self.path))
@@ -80,7 +82,7 @@ class TrajectoryReport(Report):
                     }
                     for g in s.groups
                 ]
-            out["checkpoints"].append(one)
+            out["checkpoints"].append(add_audit(one, s.pickle))
         out["identical"] = list(self.identical)
         return out
 
@@ -125,7 +127,8 @@ class TrajectoryReport(Report):
             ]
             for s in self.steps
         ]
-        blocks = [[head, *table(headers, rows, right=range(1, 7))]]
+        audits = several_audit_lines([(s.path, s.pickle) for s in self.steps])
+        blocks = [[head, *table(headers, rows, right=range(1, 7)), *audits]]
         if self.depth is not None:
             names = list(dict.fromkeys(g.name for s in self.steps for g in s.groups))
             by_step = [{g.name: g for g in s.groups} for s in self.steps]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from clipcli.errors import shown_path
+from clipcli.report.audit import PickleAudit, add_audit, audit_lines
 from clipcli.report.render import SCHEMA, Report, cell, plural, shape_text, table
 
 
@@ -77,6 +78,7 @@ class VerifyReport(Report):
     findings: tuple[Problem, ...] = ()
     manifest: ManifestCheck | None = None
     values: bool = False
+    pickle: PickleAudit | None = None  # a pickle-based checkpoint's audit (where it opens)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", shown_path(self.path))
@@ -135,7 +137,7 @@ class VerifyReport(Report):
                 "extra": list(m.extra),
                 "changed": changed,
             }
-        return out
+        return add_audit(out, self.pickle)
 
     def _csv(self, w: Any) -> None:
         w.writerow(["file", "tensor", "kind", "problem"])
@@ -156,4 +158,4 @@ class VerifyReport(Report):
             lines.append(f"{plural(len(problems), 'finding')} in {plural(files, 'file')}")
         else:
             lines.append("verified: nothing found")
-        return [lines]
+        return [lines + audit_lines(self.pickle)]

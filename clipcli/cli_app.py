@@ -90,15 +90,16 @@ def _stopped(status: ExitStatus) -> NoReturn:
 
 
 @contextlib.contextmanager
-def handled_errors(debug: bool, command: str) -> Iterator[None]:
+def handled_errors(debug: bool, command: str, writes: bool = False) -> Iterator[None]:
     """Maps clipcli's errors to one stderr line and their exit status; anything else is a bug (70).
 
-    `command`: the module of `clipcli.commands` the command runs, imported first (`_import_command`).
+    `command`: the module of `clipcli.commands` the command runs, imported first (`_import_command`); `writes`:
+    whether it writes files (then --fail-unsafe-pickle fails before any output, else after the report).
     """
     try:
         _import_command(command)
         _lost_reports.clear()
-        with _pickles_vetted():
+        with _pickles_vetted(before_output=writes):
             yield
         if _lost_reports:  # no gate failed: the lost report is the outcome
             raise _lost_reports.pop()
@@ -116,13 +117,16 @@ def handled_errors(debug: bool, command: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _pickles_vetted() -> Iterator[None]:
+def _pickles_vetted(before_output: bool) -> Iterator[None]:
     """Warns once per file whose pickle would call a global outside torch's weights-only allowlist, as each
-    checkpoint opens; with --fail-unsafe-pickle, fails there (exit 1), before any output is made."""
+    checkpoint opens; with --fail-unsafe-pickle, fails (exit 1): `before_output`, there, before any output is
+    made (a command that writes files); else once the command is done, its report (which carries the audit)
+    out, ahead of the command's own gates (a vetting step gets the report, then the status)."""
     from clipcli.checkpoint.reader import OPEN_HOOKS
     from clipcli.errors import CheckFailedError, shown_path
 
     seen: set[str] = set()
+    failed: list[CheckFailedError] = []  # the gate's failure, where it waits for the report
 
     def vet(ckpt: Any) -> None:
         for audit in ckpt.pickle_audits:
@@ -133,13 +137,21 @@ def _pickles_vetted() -> Iterator[None]:
                     f"clipcli: warning: {printable(f'{shown_path(audit.file)}: {calls}')} (never called here)", err=True
                 )
                 if any(opts.UNSAFE_PICKLE_GATE):
-                    raise CheckFailedError(f"{calls} (--fail-unsafe-pickle)", audit.file)
+                    failed.append(CheckFailedError(f"{calls} (--fail-unsafe-pickle)", audit.file))
+                    if before_output:
+                        raise failed[0]
 
     OPEN_HOOKS.append(vet)
     try:
         yield
+    except CheckFailedError:  # another gate failed after the report: the unsafe pickle is the line to show
+        if failed:
+            raise failed[0] from None
+        raise
     finally:
         OPEN_HOOKS.remove(vet)
+    if failed:
+        raise failed[0]
 
 
 def _import_command(command: str) -> None:

@@ -186,7 +186,7 @@ def clip_value(
     lo, hi = opts.parse_float(min_, "--min"), opts.parse_float(max_, "--max")
     if lo > hi:
         opts.usage(f"--min {min_} exceeds --max {max_}", "--min")
-    with handled_errors(debug, "clip"):
+    with handled_errors(debug, "clip", writes=True):
         from clipcli.commands import clip
 
         _clip(
@@ -232,7 +232,7 @@ def clip_norm(
     c = opts.parse_float(clip_norm, "--clip-norm")
     opts.positive_finite(c, clip_norm, "--clip-norm")
     ax = opts.parse_axes(axes)
-    with handled_errors(debug, "clip"):
+    with handled_errors(debug, "clip", writes=True):
         from clipcli.commands import clip
 
         _clip(
@@ -287,7 +287,7 @@ def clip_global_norm(
         opts.usage(f"must be a finite number >= 0, got {use_norm}", "--use-norm")
     if prefix_with_file and len(checkpoints) == 1:
         opts.usage("only with several checkpoints", "--prefix-with-file")
-    with handled_errors(debug, "clip"):
+    with handled_errors(debug, "clip", writes=True):
         from clipcli.commands import clip
 
         fields = dict(
@@ -460,7 +460,7 @@ def convert(
     --include/--exclude are not written.
     """
     max_shard = None if max_shard_size is None else opts.parse_size(max_shard_size, "--max-shard-size")
-    with handled_errors(debug, "convert"):
+    with handled_errors(debug, "convert", writes=True):
         from clipcli.checkpoint import check_output, check_report, open_checkpoint
         from clipcli.commands import convert as command
 

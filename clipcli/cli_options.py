@@ -143,7 +143,7 @@ FailUnsafePickle = Annotated[
         "--fail-unsafe-pickle",
         callback=_gate_unsafe_pickle,
         help="Exit 1 when a PyTorch file's pickle would call a global outside torch's weights-only allowlist "
-        "(clipcli never calls it).",
+        "(clipcli never calls it): after the report, or, for a command that writes, before anything is written.",
     ),
 ]
 Sort = Annotated[

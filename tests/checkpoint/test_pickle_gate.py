@@ -1,5 +1,6 @@
-"""The unsafe-pickle warning and `--fail-unsafe-pickle` on every command: `verify` too, before any output is
-written, and with paths (URLs included) shown as given. Hostile files are never loaded by pickle or torch."""
+"""The unsafe-pickle warning and `--fail-unsafe-pickle` on every command: `verify` too (its report first, then the
+gate), the writers before any output is written, and with paths (URLs included) shown as given. Hostile files are
+never loaded by pickle or torch."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_verify_warns_of_every_hostile_form_and_the_gate_fails_it(tmp_path: Path
         lines = gated.stderr.splitlines()
         assert gated.returncode == 1 and lines[0] == warning[0] and len(lines) == 2, (form, gated)
         assert lines[1].startswith(f"clipcli: error: {path.name}") and lines[1].endswith("(--fail-unsafe-pickle)")
-        assert gated.stdout == "", (form, gated)
+        # a report command: the report (the same as without the gate, its audit included), then the gate's exit 1
+        assert gated.stdout == plain.stdout and "\npickle" in gated.stdout, (form, gated)
     assert not (tmp_path / SENTINEL).exists()
 
 

@@ -24,10 +24,10 @@ class PickleAudit:
 
     def line(self) -> str:
         """The table's one line: whether torch.load(weights_only=True) loads the file, and what a loader would
-        call beyond its allowlist (never called here); for object arrays, what NumPy's loader would call."""
+        call beyond its allowlist (never called here); for object arrays, what NumPy's would call beyond its own."""
         calls = ", ".join(self.unsafe) or "none"
         if self.loader != TORCH:  # object arrays: NumPy's loader, not torch's, would unpickle them
-            return f"pickle (object arrays): {self.loader} would call beyond its allowlist: {calls}"
+            return f"pickle (object arrays, which only {self.loader} unpickles): calls beyond NumPy's own: {calls}"
         if self.fields["loads_with_weights_only"]:  # then it calls nothing beyond the allowlist
             return "pickle: loads with torch.load(weights_only=True): yes"
         return f"pickle: loads with torch.load(weights_only=True): no; calls outside the allowlist: {calls}"

@@ -28,7 +28,8 @@ TIED = DATA / "torch" / "tied.pt"  # plain tensors: torch.load(weights_only=True
 HOSTILE = INERT / "hostile.pt"  # os.system, eval, exec, subprocess.Popen, ...
 DCP = DATA / "dcp" / "single"  # a distributed checkpoint: its .metadata is a pickle
 SHARDED_BIN = DATA / "torch" / "sharded_bin"  # PyTorch shards: several pickles, one audit
-PICKLES = [NAMESPACE, TIED, HOSTILE, DCP, SHARDED_BIN]
+NPZ_OBJECTS = DATA / "npz" / "objects.npz"  # object members: pickles NumPy's loader would load
+PICKLES = [NAMESPACE, TIED, HOSTILE, DCP, SHARDED_BIN, NPZ_OBJECTS]
 CLEAN = {**ENV, "PYTHONWARNINGS": "ignore"}
 
 
@@ -60,12 +61,17 @@ ONE: dict[str, Callable[[Path, Path], list[object]]] = {
     "verify": lambda tmp, p: [],
     "verify --values": lambda tmp, p: ["--values"],
     "clip-value --dry-run": lambda tmp, p: ["--min", "-0.5", "--max", "0.5", "--dry-run"],
-    # (written whole: a distributed checkpoint's complex32, which no output holds, only in a dry run)
-    "clip-norm": lambda tmp, p: ["--clip-norm", "0.5", *(["--dry-run"] if p == DCP else ["-o", tmp / "o.safetensors"])],
+    # written whole: a distributed checkpoint's complex32, which no output holds, only in a dry run; object members
+    # only into an .npz
+    "clip-norm": lambda tmp, p: ["--clip-norm", "0.5", *(["--dry-run"] if p == DCP else ["-o", tmp / _clipped(p)])],
     "clip-global-norm --report": lambda tmp, p: ["--clip-norm", "0.5", "--dry-run", "--report", tmp / "r.json"],
     "convert": lambda tmp, p: ["-o", tmp / "out.safetensors", "--drop-metadata"],
     "convert --dry-run": lambda tmp, p: ["-o", tmp / "out.safetensors", "--dry-run"],
 }
+
+
+def _clipped(path: Path) -> str:
+    return "o.npz" if path.suffix == ".npz" else "o.safetensors"
 
 
 def _checkpoints(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -86,10 +92,10 @@ def test_each_commands_report_carries_inspects_audit(tmp_path: Path, name: str, 
         assert json.loads((tmp_path / "r.json").read_text())["checkpoints"][0]["pickle"] == expected
     text = run(command, path, *extra, env=CLEAN)
     assert text.exit_code in (0, 1) if command == "verify" else text.exit_code == 0, text.output
-    assert (
-        sum(line.startswith("pickle: loads with torch.load(weights_only=True): ") for line in text.stdout.split("\n"))
-        == 1
-    )
+    torch_line = "pickle: loads with torch.load(weights_only=True): "
+    numpy_line = "pickle (object arrays, which only np.load(allow_pickle=True) unpickles): calls beyond NumPy's own: "
+    line = numpy_line if path == NPZ_OBJECTS else torch_line
+    assert sum(x.startswith(line) for x in text.stdout.split("\n")) == 1, text.stdout
 
 
 def test_several_checkpoints_each_carry_their_own(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@
  *   are then of no use.
  * stats_f32(x, out, errors, start[, wide]): the statistics of float32 values, exact where they are counts and
  *   sums, added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
- * All release the GIL while they run.
+ * crc32(data[, value[, level]]) -> int: zlib.crc32(data, value), of any buffer, by carry-less multiplication
+ *   where the machine has it (see crc32's section; CRC32_LEVEL says which loop it runs).
+ * All release the GIL while they run (crc32 from 4 KiB on).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -12,7 +12,7 @@ from clipcli.errors import MalformedError
 try:  # compiled beside the core's loops (clipcli/_fused.c): by carry-less multiplication, several times zlib's speed
     from clipcli import _fused
 except ImportError:  # not built (no compiler): zlib's, the same values
-    _fused = None  # type: ignore[assignment]
+    _fused = None
 if _fused is not None and _fused.CRC32_LEVEL > 0:  # (its tables alone are no faster than zlib's)
     crc32 = _fused.crc32
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from clipcli.checkpoint.crc import crc32
 from clipcli.checkpoint.plugin import Finding
 from clipcli.checkpoint.source import Store, pread_of
 from clipcli.checkpoint.tensor import ZipMember
@@ -72,7 +73,7 @@ class MemberStream(io.RawIOBase):
             view[got : got + len(out)] = out
             got += len(out)
             self._left -= len(out)
-            self._crc = zlib.crc32(out, self._crc)
+            self._crc = crc32(out, self._crc)
             if not self._left and self._crc != self._expected:
                 raise zipfile.BadZipFile("Bad CRC-32 for the member (it is damaged)")
         return got

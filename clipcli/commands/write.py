@@ -166,13 +166,9 @@ def _write_in_order(
     progress: Progress,
     label: str,
 ) -> tuple[PerTensor, PerTensor]:
-    """`write` for outputs whose bytes must come in order: chunks computed by threads, written in turn; a copy
-    (no op) reads them in order itself."""
+    """`write` for outputs whose bytes must come in order: chunks read and computed by threads, written in turn
+    (a copy's too: the next chunks are read while one is written)."""
     subset = None if tensors is ckpt.tensors else tensors
-    if not ops:
-        progress.phase(label, sum(t.nbytes for t in tensors))
-        save(ckpt, output, ckpt.chunks, in_place, subset, max_shard)
-        return PerTensor(), PerTensor()
     before, after = PerTensor(), PerTensor()
     for name in ops:
         before[name], after[name] = NormAccumulator(2), NormAccumulator(2)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from decimal import Decimal, getcontext
 from fractions import Fraction
 from pathlib import Path
@@ -1188,6 +1189,31 @@ def test_real_subprocess(grads, tmp_path):
     assert done.returncode == 2 and "Usage: clipcli clip-norm" in done.stderr
     done = subprocess.run([*cmd, "--version"], capture_output=True, text=True, env=env, check=False)
     assert done.stdout.startswith("clipcli ")
+
+
+def test_copies_into_in_order_outputs_are_the_same_bytes_whatever_jobs(tmp_path):
+    """A copy into an output written in order (.pt, .npz) reads its next chunks in threads with --jobs above 1:
+    the same bytes as one thread, every zip record's CRC-32 right (zipfile's check), every value the input's."""
+    rng = np.random.default_rng(24)
+    tensors = {
+        "w": rng.standard_normal((3000, 1000)).astype(np.float32),
+        "h": rng.standard_normal((1000, 3000)).astype(np.float16),
+        "r": rng.standard_normal((2000, 777)).astype(np.float32),
+    }
+    src = write_st(tmp_path / "big.safetensors", tensors)
+    for suffix in (".pt", ".npz"):
+        out = tmp_path / f"out{suffix}"
+        outs = set()
+        for jobs in ("1", "2", "3"):
+            ok("convert", src, "-o", out, "--jobs", jobs, "--quiet")
+            outs.add(out.read_bytes())
+        assert len(outs) == 1, suffix
+        with zipfile.ZipFile(out) as z:
+            assert z.testzip() is None
+            if suffix == ".pt":  # each storage a record of its bytes alone
+                assert {z.read(f"out/data/{i}") for i in range(3)} == {t.tobytes() for t in tensors.values()}
+            else:
+                assert all(z.read(f"{name}.npy").endswith(t.tobytes()) for name, t in tensors.items())
 
 
 def test_jobs_do_not_change_reports_or_outputs(tmp_path):

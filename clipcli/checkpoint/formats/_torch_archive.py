@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from clipcli.checkpoint.crc import crc32
 
 ALIGNMENT = 64  # torch's `.storage_alignment`
 _ZIP64_LIMIT = 0xFFFFFFFF  # miniz's: a size or offset this large or larger is written in a zip64 field
@@ -52,15 +53,15 @@ class Archive:
         return m
 
     def data(self, m: Member, data: Any) -> None:
-        """Writes bytes of the record begun last; their CRC-32 is computed by a thread meanwhile (zlib's releases
+        """Writes bytes of the record begun last; their CRC-32 is computed by a thread meanwhile (it releases
         the GIL), and is done when this returns (a chunk's buffer is reused once it does)."""
         view = memoryview(data).cast("B")
         if view.nbytes < _OVERLAP_BYTES:
-            m.crc = zlib.crc32(view, m.crc)
+            m.crc = crc32(view, m.crc)
         else:
             if self._crcs is None:
                 self._crcs = ThreadPoolExecutor(1, thread_name_prefix="clipcli-crc")
-            crc = self._crcs.submit(zlib.crc32, view, m.crc)
+            crc = self._crcs.submit(crc32, view, m.crc)
             try:
                 self._write(view)
             finally:

@@ -6,7 +6,6 @@ import contextlib
 import re
 import struct
 import zipfile
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -14,6 +13,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from clipcli.checkpoint.atomic import write_data
+from clipcli.checkpoint.crc import crc32
 from clipcli.checkpoint.formats import npy as _npy
 from clipcli.checkpoint.formats._common import first_zip_member
 from clipcli.checkpoint.formats._common import one_line as _one_line
@@ -127,7 +127,7 @@ def _member_tensor(
             _npy.audit_pickle(stream, member.file_size - header.data_offset, audit)
             location = ZipMember(member.filename, header.data_offset)
             if stored:
-                crc = StoredCrc(member.CRC, zlib.crc32(header.raw), header.data_offset, member_name(name))
+                crc = StoredCrc(member.CRC, crc32(header.raw), header.data_offset, member_name(name))
                 location = Span(start + header.data_offset, crc)
             nbytes = member.file_size - header.data_offset
             return _npy.numpy_tensor(name, header, path, location, member.compress_type, nbytes)
@@ -136,7 +136,7 @@ def _member_tensor(
             f"the member holds {member.file_size} bytes but its header declares {header.data_offset + header.nbytes}"
         )
     if stored:
-        crc = StoredCrc(member.CRC, zlib.crc32(header.raw), header.data_offset, member_name(name))
+        crc = StoredCrc(member.CRC, crc32(header.raw), header.data_offset, member_name(name))
         location: Any = Span(start + header.data_offset, crc)
     else:
         location = ZipMember(member.filename, header.data_offset)

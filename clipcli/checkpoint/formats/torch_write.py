@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import shlex
 import struct
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from clipcli.checkpoint.crc import crc32
 from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
 from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import Pieces, Span, TensorInfo
@@ -475,7 +475,7 @@ def _check_tied(t: TensorInfo, first: _TensorRef, written: dict[str, int], chunk
     crc = 0
     for chunk in chunks:
         data = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
-        crc = zlib.crc32(data, crc)
+        crc = crc32(data, crc)
         n += data.nbytes
     if (n, crc) != (first.tensor.nbytes, written[first.key]):
         raise UnsupportedError(

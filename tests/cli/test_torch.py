@@ -95,6 +95,16 @@ def test_sparse_and_quantized_tensors_are_listed_and_skipped_with_the_reason(tmp
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_skipped_tensors_with_a_storage_report_its_bytes():
+    # gh-24: a quantized tensor was listed with nbytes 0; torch 2.13's `t.numel() * t.element_size()` gives these
+    torch_nbytes = {"dense": 8, "quantized": 4, "quantized_channel": 6, "half_complex": 8, "conjugate": 24}
+    (c,) = js("inspect", DATA / "special.pt")["checkpoints"]
+    rows = {t["name"]: t["nbytes"] for t in c["tensors"]}
+    assert {k: rows[k] for k in torch_nbytes} == torch_nbytes
+    assert rows["meta"] == rows["sparse_coo"] == rows["nested"] == 0  # no dense storage of their own in the file
+    assert c["nbytes"] == sum(rows.values())
+
+
 def test_convert_refuses_what_would_be_lost(tmp_path):
     result = run("convert", DATA / "model_state.pt", "-o", tmp_path / "m.safetensors")
     assert result.exit_code == 3 and "tensor cplx128: safetensors has no dtype for complex128" in result.stderr

@@ -316,4 +316,5 @@ def _describe(name: str, t: Tensor, big_endian: bool) -> TorchTensor:
         root.nbytes,
         big_endian,
         skip,
+        itemsize=itemsize,
     )

@@ -47,10 +47,16 @@ class TorchTensor:
     big_endian: bool  # storage bytes are big-endian
     skip_reason: str | None  # why it is listed but not read (sparse, quantized, meta), else None
     held: bytes | None = None  # the values themselves, C order, native order (a NumPy array inside the pickle)
+    itemsize: int = 0  # bytes per element in its storage, also when skipped (quantized: 1 for qint8); 0 if none
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its elements (a skipped tensor's too, as its storage holds them; 0 with no storage)."""
+        return self.numel * (self.dtype.itemsize if self.dtype is not None else self.itemsize)
 
 
 def is_contiguous(t: TorchTensor) -> bool:

@@ -173,7 +173,6 @@ def _open(
     out = []
     for t in tensors:
         dtype = t.dtype if t.skip_reason is None else None
-        nbytes = t.numel * t.dtype.itemsize if t.dtype is not None else 0
         location: Any = None
         if t.held is not None:
             location = Held(t.held)
@@ -186,7 +185,7 @@ def _open(
                 t.name,
                 t.dtype_name,
                 t.shape,
-                nbytes,
+                t.nbytes,
                 str(path),
                 dtype,
                 location=location,

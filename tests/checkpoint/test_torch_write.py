@@ -29,7 +29,11 @@ from clipcli.checkpoint.formats import _torch_archive, torch_write
 from tests.helpers import DATA, digest, js, ok, run, write_st
 
 TORCH_DATA = DATA / "torch"
-CORPUS = sorted(p for p in TORCH_DATA.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
+CORPUS = sorted(
+    p
+    for p in TORCH_DATA.iterdir()
+    if p.suffix in (".pt", ".pth", ".bin", ".ckpt") and p.name != "metadata_only.pt"  # no tensor: no .pt (below)
+)
 # what a .pt written by clipcli cannot hold: tensors without values (sparse, quantized, meta, nested) and
 # float4 / complex32 (no NumPy type), left out of the round trip
 UNWRITABLE = {
@@ -50,6 +54,20 @@ ALLOWED = {
     "builtins.complex",
     "_codecs.encode",
     "torch.device",
+    "torch.Size",
+    "torch._utils._rebuild_parameter",
+    "torch.serialization._get_layout",
+    "collections.Counter",
+    *(
+        f"torch.{q}"
+        for q in (
+            "per_tensor_affine",
+            "per_tensor_symmetric",
+            "per_channel_affine",
+            "per_channel_symmetric",
+            "per_channel_affine_float_qparams",
+        )
+    ),
 }
 DTYPES = [
     np.float32,
@@ -297,6 +315,57 @@ def _root(pt: Path) -> object:
     return _Loader(io.BytesIO(data)).load()
 
 
+def _built_by(pt: Path) -> dict[str, object]:
+    """What builds each top-level value of a .pt's pickle: the global called (with a Parameter's requires_grad) or
+    named, else the Python type, as Python's unpickler reads it with every global a stub."""
+
+    def what(v: object) -> object:
+        if isinstance(v, type):
+            return v.__name__
+        if isinstance(v, _Stub):
+            return (type(v).__name__, v.args[1]) if type(v).__name__ == "_rebuild_parameter" else type(v).__name__
+        return type(v).__name__
+
+    return {k: what(v) for k, v in _root(pt).items()}  # type: ignore[attr-defined]
+
+
+def test_values_of_torchs_weights_only_allowlist_are_written_back_as_such(tmp_path):
+    # gh-24: a layout and a quantization scheme were refused; a torch.Size came back a tuple, a Parameter a Tensor
+    out = tmp_path / "kept.pt"
+    ok("convert", TORCH_DATA / "kept_types.pt", "-o", out)
+    built = _built_by(out)
+    assert built == _built_by(TORCH_DATA / "kept_types.pt")
+    assert built["frozen"] == ("_rebuild_parameter", False) and built["size"] == "Size"
+    assert (built["layout"], built["qscheme"], built["counts"]) == ("_get_layout", "per_channel_affine", "Counter")
+
+
+def test_a_checkpoint_of_metadata_alone_says_what_to_do_instead_of_a_pt(tmp_path):
+    # gh-24: a .pt of a config dict and counters (no tensor) was refused as "a state dict of tensors" has no place
+    # for metadata, which is not what a PyTorch input is; .safetensors keeps every entry, clipping has nothing to do
+    path = TORCH_DATA / "metadata_only.pt"
+    result = run("convert", path, "-o", tmp_path / "out.pt")
+    assert result.exit_code == 3 and not (tmp_path / "out.pt").exists()
+    assert result.stderr == (
+        f"clipcli: error: {tmp_path / 'out.pt'}: the torch checkpoint holds no tensor, only metadata (2 entries: "
+        "lr, step), which clipcli writes to a .pt only around the tensors it holds; copy the file to keep it as it "
+        "is, or write .safetensors (its header keeps each entry as a string)\n"
+    )
+    ok("convert", path, "-o", tmp_path / "out.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "out.safetensors", "np") as f:
+        assert (list(f.keys()), f.metadata()) == ([], {"lr": "0.1", "step": "5"})
+    clip = run("clip-global-norm", path, "-o", tmp_path / "c.pt", "--clip-norm", "1")
+    assert clip.exit_code == 2 and "it holds no tensor" in clip.output
+
+
+def test_a_frozenset_is_refused_naming_why():  # torch.load(weights_only=True) refuses builtins.frozenset
+    from clipcli.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match=r"a frozenset \(torch.load\(weights_only=True\) refuses builtins"):
+        torch_write._plain(frozenset({1}), "fs")
+
+
 SCRIPTS = sorted(p for p in (TORCH_DATA / "script").iterdir() if p.suffix in (".pt", ".jit", ".ptl"))
 
 
@@ -477,15 +546,17 @@ def test_torch_reads_every_round_trip_as_it_read_the_input(tmp_path, path):
     ok("convert", path, "-o", out, *[a for name in left_out for a in ("--exclude", name)])
     script = """
 def flat(x, p, out):
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor):  # gh-24: a Parameter (and its requires_grad) came back a Tensor
         try:
             raw = x.contiguous().reshape(-1).view(torch.uint8).tolist() if x.numel() else []
-            out[p] = ("T", str(x.dtype), list(x.shape), raw)
+            out[p] = ("T", type(x).__name__, x.requires_grad, str(x.dtype), list(x.shape), raw)
         except RuntimeError:  # sparse, quantized, meta, nested: left out of the output
             out[p] = None
     elif isinstance(x, dict):
+        if type(x) not in (dict, collections.OrderedDict): out[p + "#type"] = type(x).__name__  # a Counter
         for k, v in x.items(): flat(v, f"{p}.{k}" if p else str(k), out)
     elif isinstance(x, (list, tuple)):
+        if type(x) not in (list, tuple): out[p + "#type"] = type(x).__name__  # gh-24: a torch.Size came back a tuple
         for k, v in enumerate(x): flat(v, f"{p}.{k}" if p else str(k), out)
     else:  # a bytearray comes back as bytes (clipcli's pickle machine makes bytes of both)
         out[p] = repr(bytes(x) if isinstance(x, bytearray) else x)
@@ -498,7 +569,7 @@ fb = flat(b, "", {})
 assert fa == fb, sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))[:5]
 print("ok")
 """
-    args = [_torch_python(), "-c", "import sys, torch\n" + script, str(path), ",".join(left_out), str(out)]
+    args = [_torch_python(), "-c", "import collections, sys, torch\n" + script, str(path), ",".join(left_out), str(out)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     if "has no attribute 'dtype'" in done.stderr:  # torch cannot load this legacy input itself (untyped storages)
         pytest.skip("torch.load of the input fails")

@@ -28,6 +28,7 @@ import re
 import struct
 import zipfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -91,6 +92,7 @@ MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save
 PROTOCOL_VERSION = 1001  # its second
 _FIRST_WINDOW = 1 << 20  # bytes of a legacy file read first to find its pickles (grown 8-fold as needed)
 MAX_CODE = 64 << 20  # bytes of one TorchScript code/ record (the source of a module's classes) clipcli reads
+Resolver = Callable[[str, str], Any]  # a pickle's global (module, name) -> what the machine makes of it
 
 
 # -- the file --------------------------------------------------------------------------------------
@@ -271,29 +273,30 @@ def _read(
     return metadata, tensors, script
 
 
-def _unpickled(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, bool]:
+def _unpickled(region: _Region, audit: Audit, resolver: Resolver = resolve) -> tuple[Any, Storages, bool, int, bool]:
     """A zip or legacy file's object, storages, byte order, pickle size and whether it is TorchScript."""
     head = region.pread(0, 512)
     if head.startswith(_ZIP):
-        return _read_zip(region, audit)
+        return _read_zip(region, audit, resolver)
     if len(head) >= 262 and head[257:262] == b"ustar":
         raise UnsupportedError(
             "a torch.save file in the tar format that torch wrote until early 2017 (torch 0.1.x); load it with "
             "torch and save it again"
         )
-    root, storages, pickle_size = _read_legacy(region, head, audit)
+    root, storages, pickle_size = _read_legacy(region, head, audit, resolver)
     return root, storages, False, pickle_size, False
 
 
-def read_root(path: Path, store: Store = LOCAL) -> tuple[Any, bool]:
+def read_root(path: Path, store: Store = LOCAL, resolver: Resolver = resolve) -> tuple[Any, bool]:
     """The object a torch.save file holds, as the pickle machine builds it (tensors as records, never their data),
-    for a writer that keeps its structure (`torch_write`), and whether the file is a TorchScript archive.
+    for a writer that keeps its structure (`torch_write`, whose `resolver` keeps some types the names need not
+    tell apart), and whether the file is a TorchScript archive.
 
     Raises:
         what `read_torch` raises.
     """
     with store.open(path) as f:
-        root, _, _, _, script = _unpickled(_Region(f, 0, size_of(f)), Audit())
+        root, _, _, _, script = _unpickled(_Region(f, 0, size_of(f)), Audit(), resolver)
         return root, script
 
 
@@ -313,7 +316,7 @@ _ZIP_ERRORS = (
 )
 
 
-def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, bool]:
+def _read_zip(region: _Region, audit: Audit, resolver: Resolver) -> tuple[Any, Storages, bool, int, bool]:
     """The object, storages, byte order and pickle size of a zip archive, and whether it is TorchScript."""
     try:
         with zipfile.ZipFile(region) as z:  # type: ignore[arg-type]
@@ -343,7 +346,7 @@ def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, 
                 big_endian = text == b"big"
             data = _read_member(z, data_pkl, region, MAX_PICKLE)
             storages = Storages(legacy=False)
-            root = unpickle(data, resolve, storages.persistent_load, audit, placeholders=True)
+            root = unpickle(data, resolver, storages.persistent_load, audit, placeholders=True)
             _locate(storages, f"{prefix}data/", members, region)
             size = len(data)
             if script:
@@ -470,14 +473,14 @@ def _stored_data_offset(region: _Region, info: zipfile.ZipInfo, storage: Storage
     return start
 
 
-def _read_legacy(region: _Region, head: bytes, audit: Audit) -> tuple[Any, Storages, int]:
+def _read_legacy(region: _Region, head: bytes, audit: Audit, resolver: Resolver) -> tuple[Any, Storages, int]:
     """The object and storages of a legacy file: five pickles, then each storage behind its count."""
     window = min(region.size, _FIRST_WINDOW)
     while True:
         data = region.pread(0, window)
         try:
             attempt = Audit()  # counted again if the window grows
-            root, storages, keys, end = _legacy_pickles(data, head, attempt)
+            root, storages, keys, end = _legacy_pickles(data, head, attempt, resolver)
             break
         except PickleTruncatedError:
             if window >= region.size or window >= MAX_PICKLE:
@@ -506,7 +509,7 @@ def _read_legacy(region: _Region, head: bytes, audit: Audit) -> tuple[Any, Stora
     return root, storages, end
 
 
-def _legacy_pickles(data: bytes, head: bytes, audit: Audit) -> tuple[Any, Storages, list[str], int]:
+def _legacy_pickles(data: bytes, head: bytes, audit: Audit, resolver: Resolver) -> tuple[Any, Storages, list[str], int]:
     try:  # ~15 bytes, well inside the first window: any failure means another kind of file
         magic, pos = unpickle_at(data, 0, resolve_nothing, audit=audit)
     except MalformedError:
@@ -525,7 +528,7 @@ def _legacy_pickles(data: bytes, head: bytes, audit: Audit) -> tuple[Any, Storag
     if not isinstance(sys_info, dict):
         raise MalformedError("the legacy file's system information is not a dict")
     storages = Storages(legacy=True)
-    root, pos = unpickle_at(data, pos, resolve, storages.persistent_load, audit, placeholders=True)
+    root, pos = unpickle_at(data, pos, resolver, storages.persistent_load, audit, placeholders=True)
     keys, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
     if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
         raise MalformedError("the legacy file's storage keys are not a list of distinct strings")

@@ -233,6 +233,38 @@ class _Pickler:
 _SKIP = object()  # what _layout gives for what the output leaves out
 
 
+class _Size:
+    """A torch.Size as the writer reads it (the names see a tuple): its items, written back as a torch.Size."""
+
+    __slots__ = ("dims",)
+
+    def __init__(self, dims: tuple[int, ...]):
+        self.dims = dims
+
+
+class _Parameter:
+    """An nn.Parameter as the writer reads it (the names see its tensor): written back as a Parameter."""
+
+    __slots__ = ("requires_grad", "tensor")
+
+    def __init__(self, tensor: Any, requires_grad: bool):
+        self.tensor, self.requires_grad = tensor, requires_grad
+
+
+def _keeping(module: str, name: str) -> Any:
+    """The pickle machine's resolver for `_rebuild`: torch's, but torch.Size and nn.Parameter kept as such."""
+    from clipcli.checkpoint.formats._pickle import Constructor
+    from clipcli.checkpoint.formats._torch_records import resolve
+
+    found = resolve(module, name)
+    qualified = f"{module}.{name}"
+    if qualified == "torch.Size":
+        return Constructor(qualified, lambda *args: _Size(found.func(*args)))
+    if qualified in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
+        return Constructor(qualified, lambda *args: _Parameter(found.func(*args), args[1:2] == (True,)))
+    return found
+
+
 def _layout(tensors: list[TensorInfo], metadata: dict[str, str], store: Store) -> Any:
     """The object to pickle: the input's own structure (the tensors of one torch.save file), or a dict of the
     tensors in order (from any other input, a TorchScript archive's included: its `state_dict()` names).
@@ -262,14 +294,14 @@ def _torch_source(tensors: list[TensorInfo], store: Store) -> tuple[Path, Any, b
             return None
     except OSError:
         return None
-    return (path, *read_root(path, store))
+    return (path, *read_root(path, store, _keeping))
 
 
 def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
     """The object `root` (a PyTorch file's, as the pickle machine built it) with its tensors replaced by those
     written and its leaves kept where they are still in `metadata`; names as `_torch_names.flatten` gives."""
     from clipcli.checkpoint.formats._numpy_pickle import NumpyArray
-    from clipcli.checkpoint.formats._pickle import Placeholder
+    from clipcli.checkpoint.formats._pickle import PickledCounter, Placeholder
     from clipcli.checkpoint.formats._torch_names import _children, _key_text
     from clipcli.checkpoint.formats._torch_records import Storage, Tensor
 
@@ -288,6 +320,13 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
                     tensor=label,
                 )
             return _SKIP  # its tensors, if any, go to the top (below)
+        if isinstance(obj, _Parameter):  # torch._utils._rebuild_parameter(tensor, requires_grad, hooks)
+            ref = walk(obj.tensor, name, depth)
+            hooks = OrderedDict()  # type: ignore[var-annotated]
+            return ref if ref is _SKIP else _Call("torch._utils", "_rebuild_parameter", (ref, obj.requires_grad, hooks))
+        if isinstance(obj, _Size):
+            dims = walk(obj.dims, name, depth)
+            return dims if dims is _SKIP else _Call("torch", "Size", (dims,))
         if isinstance(obj, (NumpyArray, Tensor, Storage)):
             t = by_name.get(label)
             if t is None:
@@ -306,6 +345,8 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
                     raise _renumbered(gap, label, obj)
                 else:
                     kept.append((_plain_key(key, label), item))
+            if isinstance(obj, PickledCounter):  # collections.Counter(dict): in torch's weights-only allowlist
+                return _Call("collections", "Counter", (dict(kept),))
             if isinstance(obj, dict):
                 return (OrderedDict if type(obj) is not dict else dict)(kept)
             return type(obj)(v for _, v in kept)
@@ -347,10 +388,13 @@ def _plain(value: Any, name: str) -> Any:
         return value
     if t in (dict, list, tuple) and not value:
         return t()
+    from clipcli.checkpoint.formats._pickle import PickledCounter, kind
+
+    if t is PickledCounter:
+        return _Call("collections", "Counter", ({},))
     if isinstance(value, dict) and not value:
         return OrderedDict()
-    from clipcli.checkpoint.formats._pickle import kind
-    from clipcli.checkpoint.formats._torch_records import Device, Named
+    from clipcli.checkpoint.formats._torch_records import LAYOUTS, QSCHEMES, Device, Named
 
     if t is complex:
         return _Call("builtins", "complex", (value.real, value.imag))
@@ -362,10 +406,17 @@ def _plain(value: Any, name: str) -> Any:
         return _Call("torch", "device", (value.text,))
     if isinstance(value, Named) and value.dtype is not None and value.name.startswith("torch."):
         return _Call("torch", value.name[len("torch.") :])
+    if isinstance(value, Named) and value.name in LAYOUTS:  # as torch pickles a layout
+        return _Call("torch.serialization", "_get_layout", (value.name,))
+    if isinstance(value, Named) and value.name in QSCHEMES:
+        return _Call("torch", value.name[len("torch.") :])
 
+    why = " (torch.load(weights_only=True) refuses builtins.frozenset)" if t is frozenset else ""
     raise UnsupportedError(
-        f"a {kind(value)}, which clipcli does not write to a .pt (it writes numbers, strings, booleans, None, "
-        "bytes, sets, dtypes, devices and containers of them); give --drop-metadata to write the tensors without it",
+        f"a {kind(value)}{why}, which clipcli does not write to a .pt (it writes what torch's weights-only "
+        "unpickler reads back: numbers, strings, booleans, None, bytes, sets, dtypes, devices, layouts, "
+        "quantization schemes, torch.Size, Parameters and containers of them); give --drop-metadata to write the "
+        "tensors without it",
         tensor=name,
     )
 
@@ -498,6 +549,8 @@ def _collect(obj: Any, refs: list[_TensorRef]) -> None:
             stack.extend(reversed([x for kv in o.items() for x in kv]))
         elif type(o) in (list, tuple):
             stack.extend(reversed(o))
+        elif type(o) is _Call and o.args:
+            stack.extend(reversed(o.args))
 
 
 def check_tensor(t: TensorInfo) -> None:
@@ -548,9 +601,16 @@ def check_file(
         )
     try:
         kept = [key for key in metadata if key not in _layout_keys(tensors)]
+        n = len(kept)
+        keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
+        if kept and not tensors:  # the structure of a PyTorch source is found through its tensors' file
+            raise UnsupportedError(
+                f"the {source_format} checkpoint holds no tensor, only metadata ({n:,} "
+                f"{'entry' if n == 1 else 'entries'}: {keys}), which clipcli writes to a .pt only around the tensors "
+                "it holds; copy the file to keep it as it is, or write .safetensors (its header keeps each entry as "
+                "a string)"
+            )
         if kept and (source is None or source[2]):
-            n = len(kept)
-            keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
             raise UnsupportedError(
                 f"the metadata ({n:,} {'entry' if n == 1 else 'entries'}: {keys}) of a {source_format} checkpoint "
                 "has no place in a .pt (a state dict of tensors); give --drop-metadata to write the tensors "

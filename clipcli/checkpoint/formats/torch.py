@@ -589,7 +589,12 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     """What opening a PyTorch file refuses (its first defect) or, for a zip (torch.save's format since 1.6) that
     opens, each member whose bytes do not match their CRC-32 (read through: the pickle and every storage; none
     where torch recorded each as 0, as `_read_member` reads them)."""
-    return refusals(open_file, path, store) or crc_findings(path, store, zero_is_none=True)
+    return refusals(open_file, path, store) or _crc_findings(path, store)
+
+
+def _crc_findings(path: Path, store: Store = LOCAL) -> list[Finding]:
+    """Each record of a PyTorch zip whose bytes do not match their CRC-32 (none where torch recorded each as 0)."""
+    return crc_findings(path, store, zero_is_none=True)
 
 
 FORMAT = Format(
@@ -601,6 +606,7 @@ FORMAT = Format(
     open=open_audited,
     plural="PyTorch files",
     findings=findings,
+    scan=_crc_findings,
     write=write,
     check_tensor=check_tensor,
     check_file=check_file,

@@ -978,6 +978,7 @@ def test_the_parsers_import_no_torch() -> None:
             "_pickle_audit.py",
             "_numpy_pickle.py",
             "torch.py",
+            "_torch_zip.py",
             "_torch_records.py",
             "_torch_names.py",
             "_torchscript.py",
@@ -999,6 +1000,7 @@ def test_the_parsers_import_no_torch() -> None:
                     "clipcli.checkpoint.formats._torch_records",
                     "clipcli.checkpoint.formats._torch_names",
                     "clipcli.checkpoint.formats._torchscript",
+                    "clipcli.checkpoint.formats._torch_zip",
                     "clipcli.checkpoint.formats._common",
                     "clipcli.report",  # printable, to escape what a file names in a skip reason
                 )

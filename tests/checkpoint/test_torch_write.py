@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import clipcli
-from clipcli.checkpoint.formats import _torch_archive, torch_write
+from clipcli.checkpoint.formats import _torch_archive, _torch_pickler, torch_write
 from tests.helpers import DATA, digest, js, ok, run, write_st
 
 TORCH_DATA = DATA / "torch"
@@ -432,13 +432,13 @@ def _list_file(path: Path, first: object) -> Path:
     """A torch.save-like archive of {'layers': [first, tensor [1, 2]]}, its pickle written by clipcli's pickler."""
     from types import SimpleNamespace
 
-    ref = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+    ref = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
     ref.key, ref.numel_of_storage = "1", 2
     if first is None:
-        first = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+        first = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
         first.key, first.numel_of_storage = "0", 2
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr("lst/data.pkl", torch_write._Pickler().dump({"layers": [first, ref]}))
+        z.writestr("lst/data.pkl", _torch_pickler.Pickler().dump({"layers": [first, ref]}))
         z.writestr("lst/byteorder", "little")
         z.writestr("lst/data/0", np.zeros(2, np.float32).tobytes())
         z.writestr("lst/data/1", np.array([1, 2], np.float32).tobytes())
@@ -458,7 +458,7 @@ def test_an_item_left_out_of_a_list_never_renumbers_those_after_it(tmp_path):
     assert _hashes(tmp_path / "o.pt") == _hashes(source, "--exclude", "layers.1")
     ok("convert", source, "-o", tmp_path / "o.safetensors", "--exclude", "layers.0")  # which keeps every name
     # a placeholder before a tensor in a list: dropped with the metadata, it would renumber the tensor too
-    source = _list_file(tmp_path / "ph.pt", torch_write._Call("argparse", "Namespace", ()))
+    source = _list_file(tmp_path / "ph.pt", _torch_pickler.Call("argparse", "Namespace", ()))
     result = run("convert", source, "-o", tmp_path / "ph_o.pt", "--drop-metadata")
     assert result.exit_code == 3 and "tensor layers.0: is left out of the list layers" in result.stderr
     assert not (tmp_path / "ph_o.pt").exists()
@@ -636,7 +636,7 @@ class _EveryName:
 
 
 def _pickled(value: object) -> bytes:
-    return torch_write._Pickler().dump(torch_write._rebuild(value, "x", [], _EveryName()))  # type: ignore[arg-type]
+    return _torch_pickler.Pickler().dump(torch_write._rebuild(value, "x", [], _EveryName()))  # type: ignore[arg-type]
 
 
 @settings(max_examples=200, deadline=None)

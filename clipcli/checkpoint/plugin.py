@@ -141,7 +141,9 @@ class Format:
     directory from headers and sizes (zip members' CRCs aside), where `open` raises on the first; a format
     without it is checked by opening it (`refusals`). `scan`, where a format has one, is the part of `findings`
     that opening does not see (a PyTorch zip's CRCs): what `defects` runs for a checkpoint already opened, so
-    that `verify` parses a pickle once.
+    that `verify` parses a pickle once. `markers`, the files that show a directory of the format where the store
+    cannot list one (plain HTTP): a distributed checkpoint's `.metadata` (the directory is read), a sharded
+    checkpoint's usual index names (the index is read, as if named).
     """
 
     name: str
@@ -161,6 +163,7 @@ class Format:
     plural: str = ""  # what messages call its files ("PyTorch files"); "" is "<name> files"
     findings: Callable[[Path, Store], list[Finding]] | None = None
     scan: Callable[[Path, Store], list[Finding]] | None = None
+    markers: tuple[str, ...] = ()  # files that show a directory of the format where a store cannot list one
 
     def defects(self, path: Path, store: Store, opened: bool = False) -> list[Finding]:
         """Every defect `findings` sees in a file or directory of this format or, without it, what opening it

@@ -352,4 +352,4 @@ def _open(directory: Path, store: Store = LOCAL) -> Opened:
     return Opened(metadata, tensors, files, "distcp", sharded=True, audits=(checked, *held))
 
 
-FORMAT = Format("distcp", recognises=is_dcp, open=_open, findings=findings)
+FORMAT = Format("distcp", recognises=is_dcp, open=_open, findings=findings, markers=(METADATA,))

@@ -11,8 +11,11 @@ from clipcli.checkpoint.reader import at_path, remote_store
 from clipcli.checkpoint.source import Store
 
 
-def find_defects(path: str | os.PathLike[str], store: Store | None = None) -> tuple[str, list[Finding]]:
-    """The format of the checkpoint at `path` and every defect it sees (`Format.defects`; [] for none).
+def find_defects(
+    path: str | os.PathLike[str], store: Store | None = None, opened: bool = False
+) -> tuple[str, list[Finding]]:
+    """The format of the checkpoint at `path` and every defect it sees (`Format.defects`; [] for none); `opened`:
+    the caller has opened it without a refusal (what opening checks is not checked again).
 
     A malformed checkpoint is what this is for: its defects are findings. Only a path that is no checkpoint of
     a known format at all raises.
@@ -25,7 +28,7 @@ def find_defects(path: str | os.PathLike[str], store: Store | None = None) -> tu
 
     def check(where: Path, s: Store) -> tuple[str, list[Finding]]:
         fmt = registry.format_of(where, s)
-        return fmt.name, fmt.defects(where, s)
+        return fmt.name, fmt.defects(where, s, opened)
 
     remote = remote_store(path, store)
     if remote is None:

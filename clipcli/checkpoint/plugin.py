@@ -139,7 +139,11 @@ class Format:
     written, not what it holds; `directory_writer`, how it writes a directory of files, where it does;
     `plural`, what messages call its files. `findings` (for `verify`) lists every defect it sees in a file or
     directory from headers and sizes (zip members' CRCs aside), where `open` raises on the first; a format
-    without it is checked by opening it (`refusals`).
+    without it is checked by opening it (`refusals`). `scan`, where a format has one, is the part of `findings`
+    that opening does not see (a PyTorch zip's CRCs): what `defects` runs for a checkpoint already opened, so
+    that `verify` parses a pickle once. `markers`, the files that show a directory of the format where the store
+    cannot list one (plain HTTP): a distributed checkpoint's `.metadata` (the directory is read), a sharded
+    checkpoint's usual index names (the index is read, as if named).
     """
 
     name: str
@@ -158,10 +162,15 @@ class Format:
     directory_writer: DirectoryWriter | None = None
     plural: str = ""  # what messages call its files ("PyTorch files"); "" is "<name> files"
     findings: Callable[[Path, Store], list[Finding]] | None = None
+    scan: Callable[[Path, Store], list[Finding]] | None = None
+    markers: tuple[str, ...] = ()  # files that show a directory of the format where a store cannot list one
 
-    def defects(self, path: Path, store: Store) -> list[Finding]:
+    def defects(self, path: Path, store: Store, opened: bool = False) -> list[Finding]:
         """Every defect `findings` sees in a file or directory of this format or, without it, what opening it
-        refuses (its first defect); [] for none."""
+        refuses (its first defect); [] for none. `opened`: the caller opened it (nothing refused), so `scan`
+        is enough where the format has one."""
+        if opened and self.scan is not None:
+            return self.scan(path, store)
         if self.findings is not None:
             return self.findings(path, store)
         opener = self.open if self.open is not None else self.open_file

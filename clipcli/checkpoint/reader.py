@@ -378,8 +378,18 @@ def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[
     store = LocalStore() if store is None else store
     try:
         kind = store.kind(path)
+        unlisted = not getattr(store, "lists", True) and registry.named_by(path.name) is None  # a directory?
+        if kind is None and unlisted:
+            path, kind = _marked_directory(path, store)
         if kind is None:
-            raise MissingFileError("no such file or directory", path)
+            if not unlisted:
+                raise MissingFileError("no such file or directory", path)
+            markers = ", ".join(registry.directory_markers())
+            raise MissingFileError(
+                f"no such file, and no directory holding {markers}: plain HTTP cannot list a directory; name a "
+                "file, a sharded index, or a directory holding one of those",
+                path,
+            )
         if kind == "other":
             raise FileTypeError(
                 "not a regular file (a pipe or a device?): clipcli reads checkpoints in place; save it to a file first",
@@ -392,6 +402,20 @@ def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[
         raise
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", e.filename or path) from e
+
+
+def _marked_directory(path: Path, store: Store) -> tuple[Path, str | None]:
+    """What to read for a path that a store which cannot list (plain HTTP) shows only by a file its format names
+    in it (`Format.markers`), and its kind: the directory of a distributed checkpoint's `.metadata` (whose pickle
+    names every other file), or a sharded checkpoint's index itself; (path, None) where none is there."""
+    for name in registry.directory_markers():
+        marker = path / name
+        if store.kind(marker) == "file":
+            if registry.named_by(name) is not None:  # a file its format reads named alone: the index
+                return marker, "file"
+            store.known_directory(path)  # type: ignore[attr-defined]
+            return path, "directory"
+    return path, None
 
 
 def _open(path: Path, store: Store) -> Checkpoint:

@@ -173,6 +173,12 @@ def format_of(path: Path, store: Store = LOCAL) -> Format:
     return get(name)
 
 
+def directory_markers() -> list[str]:
+    """The files that show a directory of a directory format where a store cannot list one (`Format.markers`), in
+    the order the formats are asked."""
+    return [m for name in _DIRECTORIES for m in get(name).markers]
+
+
 def directory_writer() -> DirectoryWriter:
     """How a directory output is written (a directory of safetensors shards and its index)."""
     writer = get(_DIRECTORY_WRITER).directory_writer

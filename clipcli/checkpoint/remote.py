@@ -74,7 +74,9 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
     if protocol in ("http", "https"):
         from clipcli.checkpoint.httpfs import HttpFileSystem
 
-        return RemoteStore(HttpFileSystem(), protocol, slashes), Path(url)
+        store = RemoteStore(HttpFileSystem(), protocol, slashes)
+        store.lists = False
+        return store, Path(url)
     try:
         import fsspec
     except ImportError as e:
@@ -261,6 +263,7 @@ class RemoteStore:
     """Files at URLs of one protocol, through an fsspec file system. Sources and sizes are asked once."""
 
     forkable = False  # an fsspec event loop does not survive a fork: the engine's workers are threads here
+    lists = True  # whether `list` lists a directory (plain HTTP cannot: a directory shows by a file in it)
 
     def __init__(self, fs: Any, protocol: str, slashes: int = 2, read_options: dict[str, Any] | None = None):
         self.fs = fs
@@ -321,6 +324,11 @@ class RemoteStore:
         if info is None:
             return None
         return "directory" if info.get("type") == "directory" else "file"
+
+    def known_directory(self, path: Path) -> None:
+        """Records that `path` is a directory, found by a file in it that its format names (plain HTTP lists none)."""
+        with self._lock:
+            self._info[self.url(path)] = {"name": self.url(path), "type": "directory"}
 
     def size(self, path: Path) -> int:
         return self.source(path).size()

@@ -114,12 +114,12 @@ def verify(
         raise UsageError(
             "--include/--exclude choose the tensors --manifest and --values check; give one", path, "--include"
         )
-    fmt, found = find_defects(path, store)
-    problems = [_problem(f) for f in found]
     compared, values, audit = None, False, None
     try:  # opened even for the structure alone: its pickles audited (the command line's warning and gate)
         with open_checkpoint(path, store) as ckpt:
             audit = pickle_audit(ckpt)
+            fmt, found = find_defects(path, store, opened=True)  # what opening checked is not checked again
+            problems = [_problem(f) for f in found]
             if checks_tensors:
                 fmt = ckpt.format
             if options.manifest is not None:
@@ -128,6 +128,9 @@ def verify(
                 problems += _value_problems(ckpt, options, progress)
                 values = True
     except InputError:
+        fmt, found = find_defects(path, store)  # raises for no checkpoint of a known format at all
+        problems = [_problem(f) for f in found]
+        compared, values = None, False
         if checks_tensors and not problems:
             raise
         # the defects found say why it cannot be read: they are the report

@@ -31,15 +31,17 @@ class Listing:
 
     def _counts(self) -> str:
         s = self.summary
-        return f"{plural(s.tensors, 'tensor')}, {plural(s.elements, 'parameter')}, {size(s.nbytes)}"
+        objects = f", {plural(s.objects, 'pickled object')}" if s.objects else ""
+        return f"{plural(s.tensors, 'tensor')}, {plural(s.elements, 'parameter')}{objects}, {size(s.nbytes)}"
 
     def _table(self, several: bool) -> list[str]:
         headers = ["tensor", "dtype", "shape", "elements", "size"] + (["file"] if several else [])
-        rows = (
+        cells = (
             [t.name, t.dtype, shape_text(t.shape), f"{t.elements:,}", size(t.nbytes)] + ([t.file] if several else [])
             for t in self.tensors
         )
-        return showing(len(self.tensors), self.summary.tensors, "tensor") + table(headers, rows, right=(3, 4))
+        rows = self.summary.tensors + self.summary.objects
+        return showing(len(self.tensors), rows, "tensor") + table(headers, cells, right=(3, 4))
 
     def _tensors_json(self) -> list[dict[str, Any]]:
         return [
@@ -84,6 +86,8 @@ class InspectReport(Report):
             s = c.summary
             one = {"path": c.path, "format": c.format, "metadata": c.metadata or {}}
             one.update({"tensor_count": s.tensors, "elements": s.elements, "nbytes": s.nbytes})
+            if s.objects:
+                one["object_count"] = s.objects
             one["tensors"] = c._tensors_json()
             one["shared_storage"] = [list(names) for names in c.shared]
             out.append(add_audit(one, c.pickle))
@@ -125,6 +129,8 @@ class ConvertReport(Listing, Report):
         out = {"path": self.path, "format": self.format, "metadata": self.metadata or {}}
         out.update({"output": self.output, "files": list(self.files)})
         out.update({"tensor_count": s.tensors, "elements": s.elements, "nbytes": s.nbytes})
+        if s.objects:
+            out["object_count"] = s.objects
         out["tensors"] = self._tensors_json()
         out["left_out"] = [s.name for s in self.left_out]
         out["shared_storage"] = [list(names) for names in self.shared]

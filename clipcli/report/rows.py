@@ -72,6 +72,7 @@ class Summary:
     elements: int = 0
     nbytes: int = 0
     nonfinite: tuple[TensorRow, ...] = ()  # the rows holding NaN or Inf
+    objects: int = 0  # rows that are pickled objects (an .npz's object arrays): listed, no tensor, no parameters
 
 
 def summarize(rows: Sequence[TensorRow], max_abs_after: float | None = None) -> Summary:
@@ -93,8 +94,15 @@ def summarize(rows: Sequence[TensorRow], max_abs_after: float | None = None) -> 
 
 
 def listed(rows: Sequence[InspectRow]) -> Summary:
-    """The summary of listed tensors: how many, their elements and bytes."""
-    return Summary(len(rows), elements=sum(r.elements for r in rows), nbytes=sum(r.nbytes for r in rows))
+    """The summary of listed rows: how many tensors and their elements (parameters), how many pickled objects
+    (an .npz's object arrays, whose items are Python objects, not parameters), and the bytes of all."""
+    tensors = [r for r in rows if r.dtype != "object"]
+    return Summary(
+        len(tensors),
+        elements=sum(r.elements for r in tensors),
+        nbytes=sum(r.nbytes for r in rows),
+        objects=len(rows) - len(tensors),
+    )
 
 
 _NAN, _INF, _MAX_ABS, _NBYTES = (operator.attrgetter(f) for f in ("nan", "inf", "max_abs", "nbytes"))

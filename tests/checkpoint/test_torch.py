@@ -525,11 +525,20 @@ def test_storage_declared_twice_differently(tmp_path: Path) -> None:
         read_torch(zip_file(tmp_path / "bad.pt", pkl(obj)))
 
 
-def test_duplicate_names_after_flattening(tmp_path: Path) -> None:
-    obj = {"a.b": tensor(), "a": {"b": 1}}
-    with pytest.raises(MalformedError, match="flatten to this name") as e:
+@pytest.mark.parametrize(
+    ("obj", "name", "paths"),
+    [
+        ({"a.b": tensor(), "a": {"b": 1}}, "a.b", "['a.b'] and ['a']['b']"),
+        # gh-24: {1: t, "1": u} (as torch.save writes it) said only "two entries flatten to this name"
+        ({1: tensor(), "1": tensor()}, "1", "[1] and ['1']"),
+        ({"x": [tensor()], "x.0": 5}, "x.0", "['x'][0] and ['x.0']"),
+    ],
+)
+def test_duplicate_names_after_flattening_name_both_entries(tmp_path: Path, obj, name, paths) -> None:
+    with pytest.raises(MalformedError) as e:
         read_torch(zip_file(tmp_path / "bad.pt", pkl(obj)))
-    assert e.value.tensor == "a.b"
+    assert e.value.tensor == name
+    assert e.value.message == f"two entries of the pickle, {paths}, flatten to this one name"
 
 
 def test_compressed_storage_is_unsupported(tmp_path: Path) -> None:
@@ -969,6 +978,7 @@ def test_the_parsers_import_no_torch() -> None:
             "_pickle_audit.py",
             "_numpy_pickle.py",
             "torch.py",
+            "_torch_zip.py",
             "_torch_records.py",
             "_torch_names.py",
             "_torchscript.py",
@@ -990,6 +1000,7 @@ def test_the_parsers_import_no_torch() -> None:
                     "clipcli.checkpoint.formats._torch_records",
                     "clipcli.checkpoint.formats._torch_names",
                     "clipcli.checkpoint.formats._torchscript",
+                    "clipcli.checkpoint.formats._torch_zip",
                     "clipcli.checkpoint.formats._common",
                     "clipcli.report",  # printable, to escape what a file names in a skip reason
                 )

@@ -25,11 +25,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import clipcli
-from clipcli.checkpoint.formats import _torch_archive, torch_write
+from clipcli.checkpoint.formats import _torch_archive, _torch_pickler, torch_write
 from tests.helpers import DATA, digest, js, ok, run, write_st
 
 TORCH_DATA = DATA / "torch"
-CORPUS = sorted(p for p in TORCH_DATA.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".ckpt"))
+CORPUS = sorted(
+    p
+    for p in TORCH_DATA.iterdir()
+    if p.suffix in (".pt", ".pth", ".bin", ".ckpt") and p.name != "metadata_only.pt"  # no tensor: no .pt (below)
+)
 # what a .pt written by clipcli cannot hold: tensors without values (sparse, quantized, meta, nested) and
 # float4 / complex32 (no NumPy type), left out of the round trip
 UNWRITABLE = {
@@ -50,6 +54,20 @@ ALLOWED = {
     "builtins.complex",
     "_codecs.encode",
     "torch.device",
+    "torch.Size",
+    "torch._utils._rebuild_parameter",
+    "torch.serialization._get_layout",
+    "collections.Counter",
+    *(
+        f"torch.{q}"
+        for q in (
+            "per_tensor_affine",
+            "per_tensor_symmetric",
+            "per_channel_affine",
+            "per_channel_symmetric",
+            "per_channel_affine_float_qparams",
+        )
+    ),
 }
 DTYPES = [
     np.float32,
@@ -300,6 +318,57 @@ def _root(pt: Path) -> object:
     return _Loader(io.BytesIO(data)).load()
 
 
+def _built_by(pt: Path) -> dict[str, object]:
+    """What builds each top-level value of a .pt's pickle: the global called (with a Parameter's requires_grad) or
+    named, else the Python type, as Python's unpickler reads it with every global a stub."""
+
+    def what(v: object) -> object:
+        if isinstance(v, type):
+            return v.__name__
+        if isinstance(v, _Stub):
+            return (type(v).__name__, v.args[1]) if type(v).__name__ == "_rebuild_parameter" else type(v).__name__
+        return type(v).__name__
+
+    return {k: what(v) for k, v in _root(pt).items()}  # type: ignore[attr-defined]
+
+
+def test_values_of_torchs_weights_only_allowlist_are_written_back_as_such(tmp_path):
+    # gh-24: a layout and a quantization scheme were refused; a torch.Size came back a tuple, a Parameter a Tensor
+    out = tmp_path / "kept.pt"
+    ok("convert", TORCH_DATA / "kept_types.pt", "-o", out)
+    built = _built_by(out)
+    assert built == _built_by(TORCH_DATA / "kept_types.pt")
+    assert built["frozen"] == ("_rebuild_parameter", False) and built["size"] == "Size"
+    assert (built["layout"], built["qscheme"], built["counts"]) == ("_get_layout", "per_channel_affine", "Counter")
+
+
+def test_a_checkpoint_of_metadata_alone_says_what_to_do_instead_of_a_pt(tmp_path):
+    # gh-24: a .pt of a config dict and counters (no tensor) was refused as "a state dict of tensors" has no place
+    # for metadata, which is not what a PyTorch input is; .safetensors keeps every entry, clipping has nothing to do
+    path = TORCH_DATA / "metadata_only.pt"
+    result = run("convert", path, "-o", tmp_path / "out.pt")
+    assert result.exit_code == 3 and not (tmp_path / "out.pt").exists()
+    assert result.stderr == (
+        f"clipcli: error: {tmp_path / 'out.pt'}: the torch checkpoint holds no tensor, only metadata (2 entries: "
+        "lr, step), which clipcli writes to a .pt only around the tensors it holds; copy the file to keep it as it "
+        "is, or write .safetensors (its header keeps each entry as a string)\n"
+    )
+    ok("convert", path, "-o", tmp_path / "out.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "out.safetensors", "np") as f:
+        assert (list(f.keys()), f.metadata()) == ([], {"lr": "0.1", "step": "5"})
+    clip = run("clip-global-norm", path, "-o", tmp_path / "c.pt", "--clip-norm", "1")
+    assert clip.exit_code == 2 and "it holds no tensor" in clip.output
+
+
+def test_a_frozenset_is_refused_naming_why():  # torch.load(weights_only=True) refuses builtins.frozenset
+    from clipcli.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match=r"a frozenset \(torch.load\(weights_only=True\) refuses builtins"):
+        torch_write._plain(frozenset({1}), "fs")
+
+
 SCRIPTS = sorted(p for p in (TORCH_DATA / "script").iterdir() if p.suffix in (".pt", ".jit", ".ptl"))
 
 
@@ -321,6 +390,35 @@ def test_a_torchscript_archive_is_written_as_the_flat_state_dict_clipcli_reports
         )
 
 
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_excluding_a_torchscript_archives_constants_gives_a_state_dict_that_loads_strictly(tmp_path, path):
+    # gh-24: the constants (CONSTANTS.cN) are kept, so a strict load_state_dict fails on them: the README's recipe
+    out = tmp_path / "sd.pt"
+    ok("convert", path, "-o", out, "--exclude", "CONSTANTS.*")
+    names = [t["name"] for t in js("inspect", path)["checkpoints"][0]["tensors"]]
+    assert list(_root(out)) == [n for n in names if not n.startswith("CONSTANTS.")]  # type: ignore[call-overload]
+    if _torch_python():  # strict, into the module torch.jit.load gives and into a new one of the class scripted
+        body = (
+            f"sys.path.insert(0, {str(TORCH_DATA)!r})\nimport make_torch_files as mk\n"
+            f"print(torch.jit.load({str(path)!r}).load_state_dict(o))\nm = {_SCRIPTED[path.name]}\n"
+            "print(m.load_state_dict(o, strict=False).unexpected_keys)\n"
+            "print(all(torch.equal(m.state_dict()[k], v) for k, v in o.items() if k in m.state_dict()))"
+        )
+        # an archive does not record that a buffer is not persistent: torch.jit.load's state_dict() has it, the
+        # class's has not (the README: --exclude it too)
+        unexpected = {"nested.pt": ["encoder.first.cache", "encoder.second.cache"]}.get(path.name, [])
+        assert _torch_script(out, body).splitlines() == ["<All keys matched successfully>", str(unexpected), "True"]
+
+
+# the class of each archive's scripted (or traced) module, as make_torch_files.py makes it
+_SCRIPTED = {
+    "sequential.pt": "torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))",
+    "nested.pt": "mk.Nested()",
+    "traced.jit": "mk.Traced()",
+    "tied.ptl": "mk.TiedScript()",
+}
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".bin"])
 def test_a_torchscript_archive_is_never_replaced_in_place(tmp_path, suffix):
     path = tmp_path / f"model{suffix}"
@@ -337,13 +435,13 @@ def _list_file(path: Path, first: object) -> Path:
     """A torch.save-like archive of {'layers': [first, tensor [1, 2]]}, its pickle written by clipcli's pickler."""
     from types import SimpleNamespace
 
-    ref = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+    ref = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
     ref.key, ref.numel_of_storage = "1", 2
     if first is None:
-        first = torch_write._TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
+        first = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
         first.key, first.numel_of_storage = "0", 2
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr("lst/data.pkl", torch_write._Pickler().dump({"layers": [first, ref]}))
+        z.writestr("lst/data.pkl", _torch_pickler.Pickler().dump({"layers": [first, ref]}))
         z.writestr("lst/byteorder", "little")
         z.writestr("lst/data/0", np.zeros(2, np.float32).tobytes())
         z.writestr("lst/data/1", np.array([1, 2], np.float32).tobytes())
@@ -363,7 +461,7 @@ def test_an_item_left_out_of_a_list_never_renumbers_those_after_it(tmp_path):
     assert _hashes(tmp_path / "o.pt") == _hashes(source, "--exclude", "layers.1")
     ok("convert", source, "-o", tmp_path / "o.safetensors", "--exclude", "layers.0")  # which keeps every name
     # a placeholder before a tensor in a list: dropped with the metadata, it would renumber the tensor too
-    source = _list_file(tmp_path / "ph.pt", torch_write._Call("argparse", "Namespace", ()))
+    source = _list_file(tmp_path / "ph.pt", _torch_pickler.Call("argparse", "Namespace", ()))
     result = run("convert", source, "-o", tmp_path / "ph_o.pt", "--drop-metadata")
     assert result.exit_code == 3 and "tensor layers.0: is left out of the list layers" in result.stderr
     assert not (tmp_path / "ph_o.pt").exists()
@@ -480,15 +578,17 @@ def test_torch_reads_every_round_trip_as_it_read_the_input(tmp_path, path):
     ok("convert", path, "-o", out, *[a for name in left_out for a in ("--exclude", name)])
     script = """
 def flat(x, p, out):
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor):  # gh-24: a Parameter (and its requires_grad) came back a Tensor
         try:
             raw = x.contiguous().reshape(-1).view(torch.uint8).tolist() if x.numel() else []
-            out[p] = ("T", str(x.dtype), list(x.shape), raw)
+            out[p] = ("T", type(x).__name__, x.requires_grad, str(x.dtype), list(x.shape), raw)
         except RuntimeError:  # sparse, quantized, meta, nested: left out of the output
             out[p] = None
     elif isinstance(x, dict):
+        if type(x) not in (dict, collections.OrderedDict): out[p + "#type"] = type(x).__name__  # a Counter
         for k, v in x.items(): flat(v, f"{p}.{k}" if p else str(k), out)
     elif isinstance(x, (list, tuple)):
+        if type(x) not in (list, tuple): out[p + "#type"] = type(x).__name__  # gh-24: a torch.Size came back a tuple
         for k, v in enumerate(x): flat(v, f"{p}.{k}" if p else str(k), out)
     else:  # a bytearray comes back as bytes (clipcli's pickle machine makes bytes of both)
         out[p] = repr(bytes(x) if isinstance(x, bytearray) else x)
@@ -501,7 +601,7 @@ fb = flat(b, "", {})
 assert fa == fb, sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))[:5]
 print("ok")
 """
-    args = [_torch_python(), "-c", "import sys, torch\n" + script, str(path), ",".join(left_out), str(out)]
+    args = [_torch_python(), "-c", "import collections, sys, torch\n" + script, str(path), ",".join(left_out), str(out)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     if "has no attribute 'dtype'" in done.stderr:  # torch cannot load this legacy input itself (untyped storages)
         pytest.skip("torch.load of the input fails")
@@ -539,7 +639,7 @@ class _EveryName:
 
 
 def _pickled(value: object) -> bytes:
-    return torch_write._Pickler().dump(torch_write._rebuild(value, "x", [], _EveryName()))  # type: ignore[arg-type]
+    return _torch_pickler.Pickler().dump(torch_write._rebuild(value, "x", [], _EveryName()))  # type: ignore[arg-type]
 
 
 @settings(max_examples=200, deadline=None)

@@ -374,3 +374,21 @@ def test_torch_dcp_save_then_a_missing_file(tmp_path: Path) -> None:
     for f in d.glob("*.distcp"):
         f.unlink()
     assert sorted((f.tensor, f.kind) for f in find_defects(d)[1]) == [("b", "missing-file"), ("w", "missing-file")]
+
+
+@pytest.mark.parametrize("name", ["tied.pt", "script/nested.pt", "adam_legacy.pt"])
+def test_verify_parses_a_pytorch_files_pickle_once(monkeypatch, name):
+    # gh-24: verify without --values parsed each pickle twice (its structure, then the audit), ~+7%
+    from clipcli.checkpoint.formats import _torch_zip, torch
+    from clipcli.commands.verify import verify
+
+    parsed = []
+    for module, which in ((_torch_zip, "unpickle"), (torch, "unpickle_at")):
+        real = getattr(module, which)
+        monkeypatch.setattr(module, which, lambda *a, _real=real, **k: parsed.append(1) or _real(*a, **k))
+    path = Path(__file__).parents[1] / "data" / "torch" / name
+    with open_checkpoint(path):
+        once = len(parsed)  # what opening it parses: its pickles, each once
+    parsed.clear()
+    report = verify(path)
+    assert report.findings == () and len(parsed) == once

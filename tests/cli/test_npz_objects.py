@@ -63,6 +63,15 @@ def test_object_members_are_listed_with_numpys_shapes_and_the_audit_of_their_pic
         assert row["shape"] == list(shape)
         if member[:-4] in CARRIED:
             assert (row["dtype"], row["nbytes"]) == (CARRIED[member[:-4]], len(pickled))
+    # gh-24: the summary counted object members among the tensors and their items among the parameters
+    numeric_rows = [t for t in listing["tensors"] if t["dtype"] != "object"]
+    objects = sum(1 for n, d in CARRIED.items() if d == "object")
+    assert (listing["tensor_count"], listing["object_count"]) == (len(numeric_rows), objects)
+    assert listing["elements"] == sum(int(np.prod(t["shape"])) for t in numeric_rows)
+    assert listing["nbytes"] == sum(t["nbytes"] for t in listing["tensors"])
+    head = ok("inspect", path).stdout.splitlines()[0]
+    assert head.startswith(f"{path}: npz, {len(numeric_rows)} tensors, {listing['elements']} parameters, {objects} "
+                           "pickled objects, ")  # fmt: skip
     calls = set().union(*(pickletools_calls(header_and_pickle(raw[f"{n}.npy"][0])[1]) for n in CARRIED))
     audit = listing["pickle"]
     assert {g["name"] for g in audit["globals"] if g["use"] == "call"} == calls

@@ -397,3 +397,35 @@ def test_verify_names_a_url_as_given_in_its_findings(files, tmp_path):
     with range_server({"g.safetensors": broken}) as server:
         report = json.loads(run("verify", f"{server.url}/g.safetensors", "--format", "json").stdout)
     assert [f["file"] for f in report["findings"]] == [f"{server.url}/g.safetensors"]
+
+
+# gh-24: a distributed checkpoint's directory over plain http:// failed with "no such file" (HTTP cannot list a
+# directory); its .metadata names every other file, and a sharded directory's usual index names its shards
+@pytest.mark.parametrize(
+    ("name", "local", "read"),
+    [
+        ("dcp", DATA / "dcp" / "sharded", "dcp"),
+        ("dcp/", DATA / "dcp" / "sharded", "dcp"),
+        ("sharded/", SAMPLES / "sharded", "sharded/model.safetensors.index.json"),
+    ],
+)
+def test_a_directory_over_plain_http_is_read_through_the_file_that_marks_its_format(name, local, read):
+    dcp = DATA / "dcp" / "sharded"
+    files = {f"dcp/{p.name}": p for p in dcp.iterdir()}  # .metadata included
+    files.update({f"sharded/{p.name}": p for p in (SAMPLES / "sharded").iterdir()})
+    with range_server(files) as server:
+        remote = as_json("global-norm", f"{server.url}/{name}")
+        assert without_paths(remote) == without_paths(as_json("global-norm", local))
+        assert remote["checkpoints"][0]["path"] == f"{server.url}/{read}"
+        assert all(method in ("HEAD", "GET") for method, _, _ in server.requests)
+
+
+def test_a_url_that_names_no_file_and_no_marked_directory_says_what_to_name():
+    with range_server({}) as server:
+        result = run("inspect", f"{server.url}/nothing/")
+    assert result.exit_code == 3
+    assert result.stderr == (
+        f"clipcli: error: {server.url}/nothing: no such file, and no directory holding .metadata, "
+        "model.safetensors.index.json, pytorch_model.bin.index.json: plain HTTP cannot list a directory; name a "
+        "file, a sharded index, or a directory holding one of those\n"
+    )

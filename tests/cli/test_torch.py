@@ -95,6 +95,16 @@ def test_sparse_and_quantized_tensors_are_listed_and_skipped_with_the_reason(tmp
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_skipped_tensors_with_a_storage_report_its_bytes():
+    # gh-24: a quantized tensor was listed with nbytes 0; torch 2.13's `t.numel() * t.element_size()` gives these
+    torch_nbytes = {"dense": 8, "quantized": 4, "quantized_channel": 6, "half_complex": 8, "conjugate": 24}
+    (c,) = js("inspect", DATA / "special.pt")["checkpoints"]
+    rows = {t["name"]: t["nbytes"] for t in c["tensors"]}
+    assert {k: rows[k] for k in torch_nbytes} == torch_nbytes
+    assert rows["meta"] == rows["sparse_coo"] == rows["nested"] == 0  # no dense storage of their own in the file
+    assert c["nbytes"] == sum(rows.values())
+
+
 def test_convert_refuses_what_would_be_lost(tmp_path):
     result = run("convert", DATA / "model_state.pt", "-o", tmp_path / "m.safetensors")
     assert result.exit_code == 3 and "tensor cplx128: safetensors has no dtype for complex128" in result.stderr
@@ -402,3 +412,22 @@ def test_an_index_own_metadata_is_the_checkpoints(tmp_path):
         assert f.metadata() == {"foo": "bar", "step": "7"}
     result = run("convert", shards, "-o", tmp_path / "x.npz", "--include", "f64")
     assert result.exit_code == 3 and "the metadata (2 entries: foo, step)" in result.output  # said, not dropped
+
+
+def test_a_storage_with_a_bad_crc_reads_as_torch_reads_it_and_verify_names_the_record(tmp_path):
+    # gh-24: torch 2.13's torch.load checks no storage's CRC-32 (weights_only or not) and gives the damaged bytes;
+    # clipcli's reads do the same, and verify is the check that names the record
+    path = tmp_path / "damaged.pt"
+    data = bytearray((DATA / "tied.pt").read_bytes())
+    with zipfile.ZipFile(DATA / "tied.pt") as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    local = info.header_offset
+    start = local + 30 + int.from_bytes(data[local + 26 : local + 28], "little")  # past the name and extra field
+    start += int.from_bytes(data[local + 28 : local + 30], "little")
+    data[start] ^= 0x40  # a float32's low mantissa bits: another finite value
+    path.write_bytes(bytes(data))
+    before = {t["name"]: t["norm"] for t in js("global-norm", DATA / "tied.pt")["checkpoints"][0]["tensors"]}
+    after = {t["name"]: t["norm"] for t in js("global-norm", path)["checkpoints"][0]["tensors"]}
+    assert after.keys() == before.keys() and after != before  # read, values damaged, as torch gives them
+    result = run("verify", path)
+    assert result.exit_code == 1 and f"crc: member {info.filename}: Bad CRC-32" in result.output

@@ -104,6 +104,12 @@ class PickledDict(dict):
         self.attributes: dict[str, Any] = {}
 
 
+class PickledCounter(PickledDict):
+    """A collections.Counter as torch.save pickles one (the class called on a dict of counts): a dict."""
+
+    __slots__ = ()
+
+
 class PickleTruncatedError(MalformedError):
     """The stream ends before the pickle does (a reader may retry with more bytes)."""
 
@@ -121,7 +127,7 @@ def kind(obj: Any) -> str:
     if isinstance(obj, Constructor):
         return f"global {obj.name}"
     if isinstance(obj, PickledDict):
-        return "OrderedDict"
+        return "Counter" if isinstance(obj, PickledCounter) else "OrderedDict"
     if isinstance(obj, Record):
         return obj.describe()
     return type(obj).__name__
@@ -848,6 +854,14 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
+def _counter(counts: Any = None) -> Any:
+    """collections.Counter on a dict of counts, as torch.save pickles it (in torch's weights-only allowlist); on
+    anything else (which Python would count), an inert placeholder of the call."""
+    if counts is None or type(counts) in (dict, PickledDict):
+        return PickledCounter(counts or {})
+    return Placeholder("collections.Counter", (counts,))
+
+
 def _ordered_dict(items: Any = ()) -> PickledDict:
     d = PickledDict()
     for pair in _iterable(items, "collections.OrderedDict"):
@@ -864,6 +878,7 @@ PLAIN_GLOBALS: dict[tuple[str, str], Constructor] = {
     (module, name): Constructor(f"{module}.{name}", func, hashes=func in (_ordered_dict, _set, _frozenset))
     for module, name, func in [
         ("collections", "OrderedDict", _ordered_dict),
+        ("collections", "Counter", _counter),
         ("builtins", "set", _set),
         ("builtins", "frozenset", _frozenset),
         ("builtins", "complex", _complex),

@@ -59,11 +59,13 @@ def flatten(
     budget = _NAME_UNITS + _NAME_UNITS_PER_BYTE * pickle_size
     tensors: list[TorchTensor] = []
     metadata: dict[str, str] = {}
-    seen: set[str] = set()
-    # parent's name, key, object, depth
-    pending: list[tuple[str | None, Any, Any, int]] = [(None, root_name, root, 1) if item else (None, None, root, 0)]
+    seen: dict[str, Any] = {}  # each name, and the keys that lead to it (a trail: (parent's trail, key))
+    # parent's name, key, object, depth, trail
+    pending: list[tuple[str | None, Any, Any, int, Any]] = [
+        (None, root_name, root, 1, (None, root_name)) if item else (None, None, root, 0, None)
+    ]
     while pending:
-        parent, key, obj, depth = pending.pop()
+        parent, key, obj, depth, trail = pending.pop()
         if depth > MAX_DEPTH:
             raise MalformedError(f"the pickle nests containers deeper than {MAX_DEPTH} levels (or holds itself)")
         if depth == 0:
@@ -80,22 +82,18 @@ def flatten(
         if isinstance(obj, NumpyArray) and obj.placeholder is not None:
             obj = obj.placeholder  # an object or structured array: its items as any placeholder's
         if isinstance(obj, Placeholder):  # listed as a value, and what it holds named below it
-            if name in seen:
-                raise MalformedError("two entries of the pickle flatten to this name", tensor=name)
-            seen.add(name)
+            _claim(seen, name, trail)
             text = metadata[name] = _render(obj, name)
             budget -= (len(name) + len(text)) // 4
             prefix = None if depth == 0 else name
-            pending.extend((prefix, k, v, depth + 1) for k, v in reversed(_placeholder_children(obj)))
+            pending.extend((prefix, k, v, depth + 1, (trail, k)) for k, v in reversed(_placeholder_children(obj)))
             continue
         children = _children(obj)
         if children is not None and (children or depth == 0):
             prefix = None if depth == 0 else name
-            pending.extend((prefix, k, v, depth + 1) for k, v in reversed(children))
+            pending.extend((prefix, k, v, depth + 1, (trail, k)) for k, v in reversed(children))
             continue
-        if name in seen:
-            raise MalformedError("two entries of the pickle flatten to this name", tensor=name)
-        seen.add(name)
+        _claim(seen, name, trail)
         budget -= len(name) // 4
         if isinstance(obj, NumpyArray):
             budget -= _TENSOR_UNITS
@@ -109,6 +107,31 @@ def flatten(
             text = metadata[name] = _render(obj, name)
             budget -= len(text) // 4
     return metadata, tensors
+
+
+def _claim(seen: dict[str, Any], name: str, trail: Any) -> None:
+    """Records that the entry at `trail` takes `name`; refuses a name that another entry took, naming both."""
+    other = seen.setdefault(name, trail)
+    if other is not trail:
+        raise MalformedError(
+            f"two entries of the pickle, {_path(other)} and {_path(trail)}, flatten to this one name", tensor=name
+        )
+
+
+_MAX_PATH = 200  # characters of an entry's keys shown in a message
+
+
+def _path(trail: Any) -> str:
+    """The keys that lead to an entry, as Python would index the object (`[1]['a']`; `the object` for the root)."""
+    keys = []
+    while trail is not None:
+        trail, key = trail
+        keys.append(key)
+    try:
+        text = "".join(f"[{_literal(k, 1)}]" for k in reversed(keys))
+    except ClipcliError:
+        text = "[...]"
+    return (text if len(text) <= _MAX_PATH else text[: _MAX_PATH - 3] + "...") or "the object"
 
 
 def _children(obj: Any) -> list[tuple[Any, Any]] | None:
@@ -293,4 +316,5 @@ def _describe(name: str, t: Tensor, big_endian: bool) -> TorchTensor:
         root.nbytes,
         big_endian,
         skip,
+        itemsize=itemsize,
     )

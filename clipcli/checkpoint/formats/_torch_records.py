@@ -47,10 +47,16 @@ class TorchTensor:
     big_endian: bool  # storage bytes are big-endian
     skip_reason: str | None  # why it is listed but not read (sparse, quantized, meta), else None
     held: bytes | None = None  # the values themselves, C order, native order (a NumPy array inside the pickle)
+    itemsize: int = 0  # bytes per element in its storage, also when skipped (quantized: 1 for qint8); 0 if none
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its elements (a skipped tensor's too, as its storage holds them; 0 with no storage)."""
+        return self.numel * (self.dtype.itemsize if self.dtype is not None else self.itemsize)
 
 
 def is_contiguous(t: TorchTensor) -> bool:
@@ -355,13 +361,13 @@ def _rebuild_qtensor(
 ) -> Tensor:
     _storage_arg(storage, "torch._utils._rebuild_qtensor")
     scheme = quantizer_params[0] if type(quantizer_params) is tuple and quantizer_params else None
-    if not (isinstance(scheme, Named) and scheme.name in _QSCHEMES):
+    if not (isinstance(scheme, Named) and scheme.name in QSCHEMES):
         raise MalformedError(f"torch._utils._rebuild_qtensor is given a {kind(scheme)} as quantization scheme")
     return Tensor(storage, storage_offset, size, stride, skip=f"quantized tensor ({scheme.name})")
 
 
 def _rebuild_sparse_tensor(layout: Any, data: Any) -> Tensor:
-    if not (isinstance(layout, Named) and layout.name in _SPARSE_LAYOUTS):
+    if not (isinstance(layout, Named) and layout.name in _SPARSELAYOUTS):
         raise MalformedError(f"torch._utils._rebuild_sparse_tensor is given a {kind(layout)} as layout")
     coo = layout.name == "torch.sparse_coo"  # (indices, values, size[, coalesced]); else 2 index tensors first
     if type(data) is not tuple or len(data) not in ((3, 4) if coo else (4,)):
@@ -396,7 +402,7 @@ def _device(kind_: Any, index: Any = None) -> Device:
 
 
 def _get_layout(name: Any) -> Named:
-    if name not in _LAYOUTS:
+    if name not in LAYOUTS:
         raise MalformedError("torch.serialization._get_layout is given an unknown layout")
     return Named(name)
 
@@ -404,10 +410,10 @@ def _get_layout(name: Any) -> Named:
 # the types _rebuild_from_type_v2 may give: a plain tensor with Python attributes (a Parameter pickles
 # through _rebuild_parameter*, and any other subclass names its own class, which is refused)
 _TENSOR_TYPES = {"torch.Tensor"}
-_SPARSE_LAYOUTS = {"torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc"}
+_SPARSELAYOUTS = {"torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc"}
 # every layout torch.serialization._get_layout names (distributed checkpoints' metadata name torch.strided)
-_LAYOUTS = _SPARSE_LAYOUTS | {"torch.strided", "torch._mkldnn", "torch.jagged"}
-_QSCHEMES = {
+LAYOUTS = _SPARSELAYOUTS | {"torch.strided", "torch._mkldnn", "torch.jagged"}
+QSCHEMES = {
     "torch.per_tensor_affine",
     "torch.per_tensor_symmetric",
     "torch.per_channel_affine",
@@ -450,7 +456,7 @@ def _allowlist() -> dict[str, Any]:
     allowed.update({name: Constructor(name, func) for name, func in functions.items()})
     for name, dtype in _DTYPES.items():
         allowed[f"torch.{name}"] = Named(f"torch.{name}", dtype)
-    for name in _TENSOR_TYPES | _QSCHEMES:  # layouts come through _get_layout
+    for name in _TENSOR_TYPES | QSCHEMES:  # layouts come through _get_layout
         allowed[name] = Named(name)
     for cls, dtype_name in _STORAGE_CLASSES.items():
         for module in ("torch", "torch.cuda"):  # torch < 1.10 named storages of CUDA tensors torch.cuda.*

@@ -6,7 +6,8 @@ chunks it was saved in, each at its offsets in the global tensor) or a non-tenso
 says where each chunk and item lies: bytes [offset, offset + length) of a `.distcp` file, each a
 complete torch.save file. The pickle runs on clipcli's restricted machine (`_pickle`) with an allowlist
 of exactly the classes and functions that DCP's metadata names, each resolved to a plain record here;
-the torch.save files are read by `_torch`. Nothing of torch is imported or run, and no tensor data is
+the torch.save files are read by `_torch`, through `_dcp_files` (where each lies, each file checked once).
+Nothing of torch is imported or run, and no tensor data is
 read: `read_dcp` returns where every chunk's bytes are, checked.
 
 Choices where torch leaves room:
@@ -43,63 +44,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from clipcli.checkpoint.formats._dcp_files import (
+    METADATA,
+    DcpChunk,
+    DcpTensor,
+    Files,
+    Location,
+    checked_dims,
+    entry_text,
+    storage_locations,
+)
 from clipcli.checkpoint.formats._dcp_layout import layout_error
 from clipcli.checkpoint.formats._dcp_records import TRUSTED, DcpObject, resolve
 from clipcli.checkpoint.formats._pickle import kind, unpickle
 from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats.torch import (
     MAX_PICKLE,
-    TorchTensor,
     dtype_of,
     is_contiguous,
-    read_torch,
     view_byte_range,
 )
 from clipcli.checkpoint.plugin import Finding, Format, Opened, defect
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Held, Piece, Pieces, TensorInfo, check_elements
-from clipcli.errors import ClipcliError, FileTypeError, InputError, MalformedError, MissingFileError, UnsupportedError
+from clipcli.errors import ClipcliError, InputError, MalformedError, MissingFileError, UnsupportedError
 
 __all__ = ["METADATA", "DcpChunk", "DcpTensor", "is_dcp", "read_dcp"]
 
-METADATA = ".metadata"
-_MAX_INDEX = 1 << 63  # sizes and offsets are int64 in torch
-_RENAMES = 250_000  # names that a byte range named by several entries may make again, at least (each costs ~10 µs)
 # what names the metadata class in the first bytes of a .metadata pickle (Megatron's subclass included)
 _SIGNATURES = (b"torch.distributed.checkpoint", b"megatron.core.dist_checkpointing")
-
-
-@dataclass(frozen=True)
-class DcpChunk:
-    """One saved chunk of a tensor: where it lies in the global tensor and in the checkpoint's files."""
-
-    offsets: tuple[int, ...]  # where the chunk starts in the global tensor
-    sizes: tuple[int, ...]  # its shape
-    file: Path  # the .distcp file holding it
-    tensor: TorchTensor  # the chunk as _torch.read_torch reads it at [offset, offset + length) of `file`
-
-
-@dataclass(frozen=True)
-class DcpTensor:
-    """One tensor of a distributed checkpoint: its global shape and type, and the chunks that tile it.
-
-    The chunks lie inside the tensor, never overlap and leave no hole. A tensor with a `skip_reason`
-    is listed but must not be read.
-    """
-
-    name: str  # the fully qualified name as in .metadata ("model.layers.0.weight", "optim.state.w.exp_avg")
-    dtype: np.dtype | None  # native NumPy / ml_dtypes dtype; None when skipped
-    dtype_name: str  # 'float32', 'bfloat16', ... (or torch's name for types without one)
-    shape: tuple[int, ...]  # the global shape
-    chunks: tuple[DcpChunk, ...]  # in the order of .metadata
-    skip_reason: str | None
 
 
 def open_directory(
@@ -183,7 +161,7 @@ def read_dcp(
     try:
         _check_version(root)
         items = _state_dict_items(root)
-        files = _Files(directory, _locations(root), where, store)
+        files = Files(directory, storage_locations(root), where, store)
     except ClipcliError as e:
         e.path = e.path or str(where)
         raise
@@ -253,58 +231,6 @@ def _state_dict_items(root: DcpObject) -> list[tuple[str, DcpObject]]:
     return out
 
 
-@dataclass(frozen=True)
-class _Location:
-    """Where one chunk or item lies: bytes [offset, offset + length) of a file of the checkpoint."""
-
-    relative_path: str
-    offset: int
-    length: int
-    transforms: tuple[str, ...]
-
-
-# where each chunk (name, offsets) and item (name, None) lies
-_Locations = dict[tuple[str, tuple[int, ...] | None], _Location]
-
-
-def _locations(root: DcpObject) -> _Locations:
-    """`storage_data` by (name, chunk offsets); the offsets are None for a non-tensor item."""
-    data = root.get("storage_data")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise MalformedError(f"storage_data is a {kind(data)}, not a dict")
-    out: _Locations = {}
-    for index, info in data.items():
-        if not (isinstance(index, DcpObject) and index.cls == "MetadataIndex"):
-            raise MalformedError(f"storage_data is keyed by a {kind(index)}, not a MetadataIndex")
-        fqn, offset = index.get("fqn"), index.get("offset")
-        if type(fqn) is not str:
-            raise MalformedError(f"a MetadataIndex names a {kind(fqn)}")
-        offsets = None if offset is None else _dims(offset, "offset of a MetadataIndex", fqn)
-        if not (isinstance(info, DcpObject) and info.cls == "_StorageInfo"):
-            raise MalformedError(f"storage_data holds a {kind(info)}, not a _StorageInfo", tensor=fqn)
-        location = _location(info, fqn)
-        if (fqn, offsets) in out:
-            raise MalformedError(f"storage_data places the {_what(offsets)} twice", tensor=fqn)
-        out[(fqn, offsets)] = location
-    return out
-
-
-def _location(info: DcpObject, fqn: str) -> _Location:
-    path, offset, length = info.get("relative_path"), info.get("offset"), info.get("length")
-    transforms = info.get("transform_descriptors")
-    if type(path) is not str:
-        raise MalformedError(f"a _StorageInfo's relative_path is a {kind(path)}", tensor=fqn)
-    if not (type(offset) is int and type(length) is int and 0 <= offset < _MAX_INDEX and 0 <= length < _MAX_INDEX):
-        raise MalformedError("a _StorageInfo's offset or length is not a non-negative integer", tensor=fqn)
-    if transforms is None:
-        transforms = ()
-    if type(transforms) not in (list, tuple) or not all(type(t) is str for t in transforms):
-        raise MalformedError(f"a _StorageInfo's transform_descriptors is a {kind(transforms)}", tensor=fqn)
-    return _Location(path, offset, length, tuple(transforms))
-
-
 def _check_version(root: DcpObject) -> None:
     version = root.get("version")
     if version is None:  # torch < 2.4 wrote none
@@ -315,191 +241,14 @@ def _check_version(root: DcpObject) -> None:
         raise UnsupportedError(f"distributed checkpoint metadata version {version[:20]!r} (clipcli reads 1.x)")
 
 
-def _dims(value: Any, what: str, fqn: str) -> tuple[int, ...]:
-    if type(value) not in (tuple, list) or not all(type(d) is int and 0 <= d < _MAX_INDEX for d in value):
-        raise MalformedError(f"the {what} is not a tuple of non-negative integers", tensor=fqn)
-    return tuple(value)
-
-
-def _what(offsets: tuple[int, ...] | None) -> str:
-    return "item" if offsets is None else f"chunk at offsets {offsets}"
-
-
-# -- the files and what they hold ---------------------------------------------------------------------
-
-
-class _Files:
-    """The bytes `storage_data` points at: files checked once each, byte ranges read once each."""
-
-    def __init__(self, directory: Path, locations: _Locations, where: Path, store: Store, collect: bool = False):
-        self.directory = directory
-        self.store = store
-        self.locations = locations
-        self.where = where  # .metadata, for messages about what it says
-        self.root: Path | None = None
-        self.files: dict[str, tuple[Path, int]] = {}
-        # read_torch's answer for each byte range, under the name it was read as: crafted metadata may point
-        # many entries at one range, each of which takes that answer renamed, not a parse of its own
-        self.read: dict[tuple[str, int, int], tuple[str, dict[str, str], list[TorchTensor]]] = {}
-        # names that answers given again may make: as many as the metadata's size justifies
-        self.renames = _RENAMES + 4 * len(locations)
-        # with `collect` (for `findings`), each chunk and item looked up, in order
-        self.used: list[tuple[str, tuple[int, ...] | None, _Location]] | None = [] if collect else None
-        self.audits: dict[str, Audit] = {}  # what the pickles of each file name and call, by its path
-
-    def item(self, fqn: str) -> tuple[dict[str, str], list[DcpTensor]]:
-        """The metadata and tensors of one non-tensor item: a torch.save file of any object."""
-        path, metadata, inner = self._torch_save(fqn, None)
-        tensors = [
-            DcpTensor(
-                t.name,
-                t.dtype,
-                t.dtype_name,
-                t.shape,
-                (DcpChunk((0,) * len(t.shape), t.shape, path, t),),
-                t.skip_reason,
-            )
-            for t in inner
-        ]
-        return metadata, tensors
-
-    def chunk(
-        self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype_name: str, skip: bool
-    ) -> DcpChunk:
-        """One chunk of a tensor: a torch.save file of one tensor of the chunk's shape and the tensor's dtype."""
-        path, metadata, inner = self._torch_save(fqn, offsets)
-        if metadata or len(inner) != 1 or inner[0].name != fqn:  # read as an item named fqn: only a tensor is fqn
-            raise MalformedError(
-                f"the chunk at offsets {offsets} is a torch.save file of something other than one tensor", path, fqn
-            )
-        t = inner[0]
-        if t.shape != sizes or t.dtype_name != dtype_name:
-            raise MalformedError(
-                f"the chunk at offsets {offsets} holds a {t.dtype_name} tensor of shape {t.shape}, "
-                f"where {dtype_name} of shape {sizes} belongs",
-                path,
-                fqn,
-            )
-        if t.skip_reason is not None and not skip:
-            raise MalformedError(f"the chunk at offsets {offsets} is a {t.skip_reason}", path, fqn)
-        return DcpChunk(offsets, sizes, path, t)
-
-    def _torch_save(self, fqn: str, offsets: tuple[int, ...] | None) -> tuple[Path, dict[str, str], list[TorchTensor]]:
-        """The torch.save file of a chunk (offsets) or item (None), read as an item named `fqn`."""
-        location = self.locations.get((fqn, offsets))
-        if location is None:
-            raise MalformedError(
-                f"the {_what(offsets)} is not in storage_data: nothing says where it lies", self.where, fqn
-            )
-        if self.used is not None:
-            self.used.append((fqn, offsets, location))
-        path, size = self._file(location.relative_path, fqn)
-        start, end = location.offset, location.offset + location.length
-        if end > size:
-            raise defect(
-                "short-file",
-                f"the {_what(offsets)} lies at bytes {start}..{end} of the file, which holds {size}",
-                path,
-                fqn,
-            )
-        if location.transforms:
-            raise UnsupportedError(
-                f"the {_what(offsets)} is stored through the transform {', '.join(location.transforms)[:200]} "
-                "(compression or encryption); clipcli reads only untransformed distributed checkpoints",
-                path,
-                fqn,
-            )
-        key = (str(path), start, end)
-        if key not in self.read:
-            if offsets is not None:
-                _refuse_safetensors(self.store, path, start, fqn, offsets)
-            try:
-                audit = self.audits.setdefault(str(path), Audit())
-                self.read[key] = (fqn, *read_torch(path, start, end, fqn, self.store, audit))
-            except ClipcliError as e:
-                # a chunk's messages name its tensor; an item's name the entry inside it, if any
-                tensor = fqn if offsets is not None or e.tensor is None else e.tensor
-                error_type = MalformedError if isinstance(e, FileTypeError) else type(e)  # it must be a torch.save file
-                raise error_type(f"the {_what(offsets)} (bytes {start}..{end}): {e.message}", path, tensor) from e
-        first, metadata, tensors = self.read[key]
-        if first != fqn:
-            self.renames -= len(metadata) + len(tensors)
-            if self.renames < 0:
-                raise MalformedError(
-                    f"the {_what(offsets)} (bytes {start}..{end}) is named by so many entries that their names "
-                    "would not end",
-                    path,
-                    fqn,
-                )
-            metadata, tensors = _renamed(first, fqn, metadata, tensors)
-        return path, metadata, tensors
-
-    def _file(self, relative: str, fqn: str) -> tuple[Path, int]:
-        """A file `storage_data` names, checked to be a regular file inside the directory, and its size."""
-        known = self.files.get(relative)
-        if known is not None:
-            return known
-        parts = PurePosixPath(relative).parts
-        if not relative or "\x00" in relative or "\\" in relative or relative.startswith("/") or ".." in parts:
-            raise MalformedError(
-                f"the file {relative[:200]!r} is not a plain path inside the checkpoint", self.directory, fqn
-            )
-        path = self.directory / relative
-        try:
-            size = self.store.size(path)  # raises as the file system says
-            kind = self.store.kind(path)
-            if self.root is None:
-                self.root = self.store.real(self.directory)
-            real = self.store.real(path)
-        except FileNotFoundError as e:
-            raise MissingFileError(f"{relative}, which {METADATA} lists, does not exist", self.directory, fqn) from e
-        except OSError as e:
-            raise InputError(f"cannot read {relative}: {e.strerror or e}", self.directory, fqn) from e
-        if kind != "file":
-            raise MalformedError(f"{relative}, which {METADATA} lists, is not a regular file", self.directory, fqn)
-        if not real.is_relative_to(self.root):
-            raise MalformedError(f"{relative} leads outside the checkpoint's directory", self.directory, fqn)
-        self.files[relative] = (path, size)
-        return self.files[relative]
-
-
-def _renamed(
-    old: str, new: str, metadata: dict[str, str], tensors: list[TorchTensor]
-) -> tuple[dict[str, str], list[TorchTensor]]:
-    """What a torch.save file read as the item `old` holds, as read as the item `new` (`old.key` is `new.key`)."""
-
-    def rename(name: str) -> str:
-        return new + name[len(old) :]
-
-    renamed = [dataclasses.replace(t, name=rename(t.name)) for t in tensors]
-    return {rename(k): v for k, v in metadata.items()}, renamed
-
-
-def _refuse_safetensors(store: Store, path: Path, start: int, fqn: str, offsets: tuple[int, ...]) -> None:
-    """Refuses a chunk written in DCP's safetensors format (raw bytes after a safetensors header)."""
-    try:
-        with store.open(path) as f:
-            f.seek(start)
-            head = f.read(9)
-    except OSError as e:
-        raise InputError(f"cannot read: {e.strerror or e}", path, fqn) from e
-    if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < MAX_PICKLE:
-        raise UnsupportedError(
-            f"the {_what(offsets)} is stored in DCP's safetensors format (SerializationFormat.SAFETENSORS); "
-            "clipcli reads distributed checkpoints in torch.save format, torch's default",
-            path,
-            fqn,
-        )
-
-
 # -- tensors ---------------------------------------------------------------------------------------------
 
 
-def _tensor(fqn: str, entry: DcpObject, files: _Files) -> DcpTensor:
+def _tensor(fqn: str, entry: DcpObject, files: Files) -> DcpTensor:
     """One tensor of `state_dict_metadata` with its chunks, each checked against its torch.save file."""
     try:
         dtype, dtype_name = _tensor_dtype(entry, fqn)
-        shape = _dims(entry.get("size"), "global shape", fqn)
+        shape = checked_dims(entry.get("size"), "global shape", fqn)
         boxes = _boxes(entry.get("chunks"), len(shape), fqn)
         check_elements(shape)
         problem = layout_error(shape, boxes)
@@ -532,8 +281,8 @@ def _boxes(chunks: Any, ndim: int, fqn: str) -> list[tuple[tuple[int, ...], tupl
     for chunk in chunks:
         if not (isinstance(chunk, DcpObject) and chunk.cls == "ChunkStorageMetadata"):
             raise MalformedError(f"a chunk is a {kind(chunk)}, not a ChunkStorageMetadata", tensor=fqn)
-        offsets = _dims(chunk.get("offsets"), "offset of a chunk", fqn)
-        sizes = _dims(chunk.get("sizes"), "shape of a chunk", fqn)
+        offsets = checked_dims(chunk.get("offsets"), "offset of a chunk", fqn)
+        sizes = checked_dims(chunk.get("sizes"), "shape of a chunk", fqn)
         if len(offsets) != ndim or len(sizes) != ndim:
             raise MalformedError(
                 f"the chunk at offsets {offsets} with shape {sizes} does not have the tensor's {ndim} dimensions",
@@ -557,7 +306,7 @@ def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
         root = _read_metadata(where, store, Audit())
         _check_version(root)
         items = _state_dict_items(root)
-        files = _Files(directory, _locations(root), where, store, collect=True)
+        files = Files(directory, storage_locations(root), where, store, collect=True)
     except MalformedError as e:
         return [Finding.of(e, "metadata", where)]
     out = []
@@ -574,7 +323,7 @@ def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
     return out + _shared_regions(directory, files.used or [])
 
 
-def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | None, _Location]]) -> list[Finding]:
+def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | None, Location]]) -> list[Finding]:
     """A finding for each chunk or item whose bytes overlap those of one before it in the same file."""
     out = []
     by_file: dict[str, list[tuple[int, int, str, tuple[int, ...] | None]]] = {}
@@ -586,7 +335,7 @@ def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | Non
         for start, stop, fqn, offsets in sorted(regions, key=lambda r: r[:2]):
             if start < end and last is not None:
                 shared = f"bytes {start}..{min(stop, end)}"
-                problem = f"its {_what(offsets)} shares {shared} with the {_what(last[1])} of {last[0]}"
+                problem = f"its {entry_text(offsets)} shares {shared} with the {entry_text(last[1])} of {last[0]}"
                 out.append(Finding(str(directory / relative), fqn, "region-twice", problem))
             if stop > end:
                 end, last = stop, (fqn, offsets)
@@ -603,4 +352,4 @@ def _open(directory: Path, store: Store = LOCAL) -> Opened:
     return Opened(metadata, tensors, files, "distcp", sharded=True, audits=(checked, *held))
 
 
-FORMAT = Format("distcp", recognises=is_dcp, open=_open, findings=findings)
+FORMAT = Format("distcp", recognises=is_dcp, open=_open, findings=findings, markers=(METADATA,))

@@ -447,6 +447,7 @@ FORMAT = Format(
     "sharded",
     (INDEX_SUFFIX, *TORCH_INDEX_SUFFIXES),
     recognises=lambda directory, store: True,  # any directory: the last directory format asked
+    markers=("model.safetensors.index.json", "pytorch_model.bin.index.json"),  # Hugging Face's index names
     open=open_path,
     findings=findings,
     directory_writer=DirectoryWriter(

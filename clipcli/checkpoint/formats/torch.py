@@ -2,12 +2,12 @@
 
 A `torch.save` file is a pickle whose tensors point at storages stored beside it: members
 `<prefix>/data/<key>` of a zip archive (torch >= 1.6), or, in the legacy format, raw storages after the
-pickle stream, each behind its element count. The pickle runs on clipcli's restricted machine
-(`_pickle`) with an allowlist of the globals torch writes, each resolved to one of the constructors
-of `_torch_records`; they build descriptions of tensors, never tensors. Nothing here reads a tensor's data.
-A TorchScript archive (`torch.jit.save`, any suffix: `.pt`, `.jit`, `.ptl`) is the same zip with a program
-beside the weights, known by its records (`constants.pkl`, `code/`), never by its first one: `_torchscript`
-names its modules' parameters and buffers as `state_dict()` does, and its constants.
+pickle stream, each behind its element count (`_torch_zip` reads the zip's records). The pickle runs on
+clipcli's restricted machine (`_pickle`) with an allowlist of the globals torch writes, each resolved to one
+of the constructors of `_torch_records`; they build descriptions of tensors, never tensors. Nothing here reads a
+tensor's data. A TorchScript archive (`torch.jit.save`, any suffix: `.pt`, `.jit`, `.ptl`) is the same zip
+with a program beside the weights, known by its records (`constants.pkl`, `code/`), never by its first one:
+`_torchscript` names its modules' parameters and buffers as `state_dict()` does, and its constants.
 
 Names (`_torch_names`): nested dicts, lists and tuples flatten to dotted names (`state.0.exp_avg`); list and tuple items
 are named by their index; a dict key that is not a string is written as its decimal (ints) or as a
@@ -21,26 +21,20 @@ containers below the top as `{}`, `[]` and `()`. An OrderedDict's attributes (a 
 
 from __future__ import annotations
 
-import copy
-import lzma
-import os
 import re
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from clipcli.checkpoint.formats._common import first_zip_member
 from clipcli.checkpoint.formats._pickle import (
     PickleTruncatedError,
-    unpickle,
     unpickle_at,
 )
 from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats._torch_names import flatten
 from clipcli.checkpoint.formats._torch_records import (
-    Storage,
     Storages,
     TorchTensor,
     dtype_of,
@@ -51,18 +45,13 @@ from clipcli.checkpoint.formats._torch_records import (
     shared_storages,
     view_byte_range,
 )
-from clipcli.checkpoint.formats._torchscript import (
-    SCRIPT_GLOBALS,
-    SCRIPT_RECORDS,
-    code_record,
-    declared_classes,
-    module_state,
-)
+from clipcli.checkpoint.formats._torch_zip import MAX_PICKLE, Region, Resolver, read_zip
+from clipcli.checkpoint.formats._torchscript import SCRIPT_GLOBALS
 from clipcli.checkpoint.formats.torch_write import check_file, check_tensor, write
 from clipcli.checkpoint.plugin import Finding, Format, Opened, refusals
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Held, Piece, Pieces, Span, TensorInfo
-from clipcli.checkpoint.zipmember import crc_findings, torch_record, zip_data_start
+from clipcli.checkpoint.zipmember import crc_findings, torch_record
 from clipcli.errors import (
     ClipcliError,
     FileTypeError,
@@ -84,54 +73,12 @@ __all__ = [
     "view_byte_range",
 ]
 
-# Bytes of pickle clipcli reads: a state dict of 10^5 tensors takes ~10 MB; unpickled, a pickle can take
-# up to ~100 times its size (an EMPTY_DICT opcode is 1 byte, a dict 64).
-MAX_PICKLE = 256 << 20
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
 PROTOCOL_VERSION = 1001  # its second
 _FIRST_WINDOW = 1 << 20  # bytes of a legacy file read first to find its pickles (grown 8-fold as needed)
-MAX_CODE = 64 << 20  # bytes of one TorchScript code/ record (the source of a module's classes) clipcli reads
 
 
 # -- the file --------------------------------------------------------------------------------------
-
-
-class _Region:
-    """The bytes [start, end) of an open file, as a file object of their own (for zipfile)."""
-
-    def __init__(self, f: BinaryIO, start: int, end: int):
-        self._f = f
-        self.start = start
-        self.size = end - start
-        self._pos = 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise ValueError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        left = max(0, self.size - self._pos)
-        n = left if n is None or n < 0 else min(n, left)
-        self._f.seek(self.start + self._pos)
-        data = self._f.read(n)
-        self._pos += len(data)
-        return data
-
-    def pread(self, offset: int, n: int) -> bytes:
-        self.seek(offset)
-        return self.read(n)
-
-    def close(self) -> None:
-        pass  # the file belongs to read_torch
 
 
 def open_audited(path: Path, store: Store = LOCAL) -> Opened:
@@ -173,7 +120,6 @@ def _open(
     out = []
     for t in tensors:
         dtype = t.dtype if t.skip_reason is None else None
-        nbytes = t.numel * t.dtype.itemsize if t.dtype is not None else 0
         location: Any = None
         if t.held is not None:
             location = Held(t.held)
@@ -186,7 +132,7 @@ def _open(
                 t.name,
                 t.dtype_name,
                 t.shape,
-                nbytes,
+                t.nbytes,
                 str(path),
                 dtype,
                 location=location,
@@ -266,219 +212,47 @@ def _read(
     stop = size if end is None else end
     if not 0 <= start <= stop <= size:
         raise MalformedError(f"bytes {start}..{stop} are not inside the file ({size} bytes)")
-    root, storages, big_endian, pickle_size, script = _unpickled(_Region(f, start, stop), audit)
+    root, storages, big_endian, pickle_size, script = _unpickled(Region(f, start, stop), audit)
     item = name is not None
     metadata, tensors = flatten(root, path.stem if name is None else name, storages, big_endian, pickle_size, item)
     return metadata, tensors, script
 
 
-def _unpickled(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, bool]:
+def _unpickled(region: Region, audit: Audit, resolver: Resolver = resolve) -> tuple[Any, Storages, bool, int, bool]:
     """A zip or legacy file's object, storages, byte order, pickle size and whether it is TorchScript."""
     head = region.pread(0, 512)
     if head.startswith(_ZIP):
-        return _read_zip(region, audit)
+        return read_zip(region, audit, resolver)
     if len(head) >= 262 and head[257:262] == b"ustar":
         raise UnsupportedError(
             "a torch.save file in the tar format that torch wrote until early 2017 (torch 0.1.x); load it with "
             "torch and save it again"
         )
-    root, storages, pickle_size = _read_legacy(region, head, audit)
+    root, storages, pickle_size = _read_legacy(region, head, audit, resolver)
     return root, storages, False, pickle_size, False
 
 
-def read_root(path: Path, store: Store = LOCAL) -> tuple[Any, bool]:
+def read_root(path: Path, store: Store = LOCAL, resolver: Resolver = resolve) -> tuple[Any, bool]:
     """The object a torch.save file holds, as the pickle machine builds it (tensors as records, never their data),
-    for a writer that keeps its structure (`torch_write`), and whether the file is a TorchScript archive.
+    for a writer that keeps its structure (`torch_write`, whose `resolver` keeps some types the names need not
+    tell apart), and whether the file is a TorchScript archive.
 
     Raises:
         what `read_torch` raises.
     """
     with store.open(path) as f:
-        root, _, _, _, script = _unpickled(_Region(f, 0, size_of(f)), Audit())
+        root, _, _, _, script = _unpickled(Region(f, 0, size_of(f)), Audit(), resolver)
         return root, script
 
 
-# what zipfile raises for a damaged archive (see formats/npz.py, which reads .npz the same way)
-_ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    zipfile.LargeZipFile,
-    EOFError,
-    zlib.error,
-    lzma.LZMAError,
-    IndexError,
-    NotImplementedError,
-    ValueError,
-    RuntimeError,
-    struct.error,
-    OverflowError,
-)
-
-
-def _read_zip(region: _Region, audit: Audit) -> tuple[Any, Storages, bool, int, bool]:
-    """The object, storages, byte order and pickle size of a zip archive, and whether it is TorchScript."""
-    try:
-        with zipfile.ZipFile(region) as z:  # type: ignore[arg-type]
-            infos = z.infolist()
-            members: dict[str, zipfile.ZipInfo] = {}
-            for info in infos:
-                if info.filename in members:
-                    raise MalformedError(f"the zip holds two members named {info.filename!r}")
-                members[info.filename] = info
-            prefix = _archive_prefix(infos)
-            _check_starts_at_zero(infos)
-            data_pkl = members.get(prefix + "data.pkl")
-            if data_pkl is None and prefix + "model.json" in members:
-                raise UnsupportedError(
-                    "an older TorchScript archive (model.json, no data.pkl), which clipcli does not read: load it "
-                    "with torch.jit.load and save it again"
-                )
-            if data_pkl is None:
-                raise FileTypeError("a zip archive without data.pkl, not a torch.save file")
-            script = any(n.startswith(prefix + r) for n in members for r in SCRIPT_RECORDS)
-            order = members.get(prefix + "byteorder")
-            big_endian = False
-            if order is not None:
-                text = _read_member(z, order, region, 16)
-                if text not in (b"little", b"big"):
-                    raise MalformedError("the byteorder record is neither 'little' nor 'big'")
-                big_endian = text == b"big"
-            data = _read_member(z, data_pkl, region, MAX_PICKLE)
-            storages = Storages(legacy=False)
-            root = unpickle(data, resolve, storages.persistent_load, audit, placeholders=True)
-            _locate(storages, f"{prefix}data/", members, region)
-            size = len(data)
-            if script:
-                root, constants_size = _read_script(z, members, prefix, region, audit, root)
-                size += constants_size
-            return root, storages, big_endian, size, script
-    except ClipcliError:
-        raise
-    except _ZIP_ERRORS as e:
-        raise MalformedError(f"not a valid zip archive: truncated or damaged ({_one_line(e)})") from e
-
-
-def _locate(storages: Storages, folder: str, members: dict[str, zipfile.ZipInfo], region: _Region) -> None:
-    """Finds each storage's bytes: the stored record `folder + key`."""
-    for storage in storages.by_key.values():
-        info = members.get(folder + storage.key)
-        if info is None:
-            raise MalformedError(f"storage {storage.key} is not in the archive (no {folder}{storage.key})")
-        storage.file_offset = region.start + _stored_data_offset(region, info, storage)
-
-
-_READ_PICKLES = ("data.pkl", "constants.pkl")
-
-
-def _read_script(
-    z: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], prefix: str, region: _Region, audit: Audit, root: Any
-) -> tuple[dict[str, Any], int]:
-    """A TorchScript archive's entries (`_torchscript`) from its data.pkl's object, and the size of its
-    constants.pkl; its other pickles (a mobile archive's bytecode.pkl, traced_inputs.pkl) are audited."""
-    constants: Any = ()
-    size = 0
-    info = members.get(prefix + "constants.pkl")
-    if info is not None:
-        audit.refuse()  # torch.load(weights_only=True) refuses every archive that holds a constants.pkl
-        data = _read_member(z, info, region, MAX_PICKLE)
-        size = len(data)
-        storages = Storages(legacy=False)
-        constants = unpickle(data, resolve, storages.persistent_load, audit, placeholders=True)
-        _locate(storages, f"{prefix}constants/", members, region)
-        for storage in storages.by_key.values():
-            storage.key = f"constants/{storage.key}"  # apart from data/'s keys: '0' there is another storage
-    for name, other in members.items():
-        record = name.removeprefix(prefix)
-        if record != name and record.endswith(".pkl") and "/" not in record and record not in _READ_PICKLES:
-            data = _read_member(z, other, region, MAX_PICKLE)
-            unpickle(data, resolve, Storages(legacy=False).persistent_load, audit, placeholders=True)
-    classes: dict[str, dict[str, Any]] = {}
-
-    def lookup(qualified: str) -> Any:
-        where = code_record(qualified)
-        if where is None:
-            return None
-        record, cls = where
-        if record not in classes:
-            code = members.get(prefix + record)
-            text = b"" if code is None else _read_member(z, code, region, MAX_CODE, compressed=True)
-            classes[record] = declared_classes(text.decode("utf-8", "replace"), record)
-        return classes[record].get(cls)
-
-    return module_state(root, lookup, constants), size
-
-
-def _archive_prefix(infos: list[zipfile.ZipInfo]) -> str:
-    """The folder all records are in: torch names it after the file (`archive/` when saved to a buffer)."""
-    if not infos:
-        raise FileTypeError("an empty zip archive, not a torch.save file")
-    first = infos[0].filename
-    if "/" not in first:
-        what = "an .npz (a zip of .npy files)" if first.endswith(".npy") else "a zip archive"
-        raise FileTypeError(f"not a PyTorch file: {what}, not a torch.save file")
-    return first[: first.index("/") + 1]
-
-
-def _check_starts_at_zero(infos: list[zipfile.ZipInfo]) -> None:
-    """Refuses a zip whose first record is not at its first byte: torch reads only such a zip, and
-    zipfile would read the last of two archives in one file (a .distcp file holds one per item)."""
-    first = min(info.header_offset for info in infos)
-    if first:
-        raise MalformedError(
-            f"the zip archive's first record is at byte {first}, not 0 (another archive or other bytes come "
-            "before it); torch reads only a zip that starts the file"
-        )
-
-
-def _read_member(
-    z: zipfile.ZipFile, info: zipfile.ZipInfo, region: _Region, limit: int, compressed: bool = False
-) -> bytes:
-    # torch stores every record but TorchScript's code; a compressed pickle would build objects far beyond the
-    # bytes in the file
-    if info.compress_type != zipfile.ZIP_STORED and not compressed:
-        raise UnsupportedError(
-            f"record {info.filename} is compressed (method {info.compress_type}); torch never compresses it, "
-            "and clipcli reads it only stored"
-        )
-    if info.file_size > limit or info.compress_size > region.size:
-        raise MalformedError(f"record {info.filename} claims {info.file_size} bytes")
-    if info.CRC == 0 and info.file_size:
-        # torch.save with `torch.utils.serialization.config.save.compute_crc32 = False` records every CRC-32
-        # as 0, and torch reads such files: no checksum to check, rather than a wrong one
-        info = copy.copy(info)
-        del info.CRC
-    data = z.read(info)
-    if len(data) != info.file_size:
-        raise MalformedError(f"record {info.filename} holds {len(data)} bytes, not {info.file_size}")
-    return data
-
-
-def _stored_data_offset(region: _Region, info: zipfile.ZipInfo, storage: Storage) -> int:
-    """Where a storage member's bytes begin in the region, from its local header; checks its size."""
-    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
-        raise UnsupportedError(
-            f"storage {storage.key} is compressed or encrypted (torch never does either); clipcli reads it only stored"
-        )
-    start = zip_data_start(region.pread, info)
-    if start is None:
-        raise MalformedError(f"storage {storage.key}: bad local zip header (the zip directory points elsewhere)")
-    if info.file_size != info.compress_size or info.file_size != storage.nbytes:
-        raise MalformedError(
-            f"storage {storage.key} holds {info.file_size} bytes but the pickle declares {storage.numel} "
-            f"{storage.dtype.name} elements ({storage.nbytes} bytes)"
-        )
-    if start + storage.nbytes > region.size:
-        raise MalformedError(f"storage {storage.key} runs past the end of the file")
-    return start
-
-
-def _read_legacy(region: _Region, head: bytes, audit: Audit) -> tuple[Any, Storages, int]:
+def _read_legacy(region: Region, head: bytes, audit: Audit, resolver: Resolver) -> tuple[Any, Storages, int]:
     """The object and storages of a legacy file: five pickles, then each storage behind its count."""
     window = min(region.size, _FIRST_WINDOW)
     while True:
         data = region.pread(0, window)
         try:
             attempt = Audit()  # counted again if the window grows
-            root, storages, keys, end = _legacy_pickles(data, head, attempt)
+            root, storages, keys, end = _legacy_pickles(data, head, attempt, resolver)
             break
         except PickleTruncatedError:
             if window >= region.size or window >= MAX_PICKLE:
@@ -507,7 +281,7 @@ def _read_legacy(region: _Region, head: bytes, audit: Audit) -> tuple[Any, Stora
     return root, storages, end
 
 
-def _legacy_pickles(data: bytes, head: bytes, audit: Audit) -> tuple[Any, Storages, list[str], int]:
+def _legacy_pickles(data: bytes, head: bytes, audit: Audit, resolver: Resolver) -> tuple[Any, Storages, list[str], int]:
     try:  # ~15 bytes, well inside the first window: any failure means another kind of file
         magic, pos = unpickle_at(data, 0, resolve_nothing, audit=audit)
     except MalformedError:
@@ -526,15 +300,11 @@ def _legacy_pickles(data: bytes, head: bytes, audit: Audit) -> tuple[Any, Storag
     if not isinstance(sys_info, dict):
         raise MalformedError("the legacy file's system information is not a dict")
     storages = Storages(legacy=True)
-    root, pos = unpickle_at(data, pos, resolve, storages.persistent_load, audit, placeholders=True)
+    root, pos = unpickle_at(data, pos, resolver, storages.persistent_load, audit, placeholders=True)
     keys, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
     if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
         raise MalformedError("the legacy file's storage keys are not a list of distinct strings")
     return root, storages, keys, pos
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 # -- the format -------------------------------------------------------------------------------------
@@ -587,7 +357,12 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     """What opening a PyTorch file refuses (its first defect) or, for a zip (torch.save's format since 1.6) that
     opens, each member whose bytes do not match their CRC-32 (read through: the pickle and every storage; none
     where torch recorded each as 0, as `_read_member` reads them)."""
-    return refusals(open_file, path, store) or crc_findings(path, store, zero_is_none=True)
+    return refusals(open_file, path, store) or _crc_findings(path, store)
+
+
+def _crc_findings(path: Path, store: Store = LOCAL) -> list[Finding]:
+    """Each record of a PyTorch zip whose bytes do not match their CRC-32 (none where torch recorded each as 0)."""
+    return crc_findings(path, store, zero_is_none=True)
 
 
 FORMAT = Format(
@@ -599,6 +374,7 @@ FORMAT = Format(
     open=open_audited,
     plural="PyTorch files",
     findings=findings,
+    scan=_crc_findings,
     write=write,
     check_tensor=check_tensor,
     check_file=check_file,

@@ -41,196 +41,46 @@ import numpy as np
 
 from clipcli.checkpoint.crc import crc32
 from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
+from clipcli.checkpoint.formats._torch_pickler import STORAGE, Call, Pickler, TensorRef
 from clipcli.checkpoint.source import LOCAL, Store
 from clipcli.checkpoint.tensor import Pieces, Span, TensorInfo
 from clipcli.errors import UnsupportedError, UsageError
 
-# dtype name -> the typed storage class torch pickles it with (None: an UntypedStorage, `_rebuild_tensor_v3`)
-_STORAGE = {
-    "float64": "DoubleStorage",
-    "float32": "FloatStorage",
-    "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage",
-    "int64": "LongStorage",
-    "int32": "IntStorage",
-    "int16": "ShortStorage",
-    "int8": "CharStorage",
-    "uint8": "ByteStorage",
-    "bool": "BoolStorage",
-    "complex128": "ComplexDoubleStorage",
-    "complex64": "ComplexFloatStorage",
-    "float8_e4m3fn": None,
-    "float8_e5m2": None,
-    "float8_e4m3fnuz": None,
-    "float8_e5m2fnuz": None,
-    "float8_e8m0fnu": None,
-    "uint16": None,
-    "uint32": None,
-    "uint64": None,
-}
-
-
-# -- the pickle ------------------------------------------------------------------------------------
-
-
-class _TensorRef:
-    """A tensor of the output where the object holds it, with the storage key it is written under."""
-
-    __slots__ = ("key", "numel_of_storage", "tensor")
-
-    def __init__(self, tensor: TensorInfo):
-        self.tensor = tensor
-        self.key = ""
-        self.numel_of_storage = 0
-
-
-class _Call:
-    """A value pickled as a call of a global on plain arguments (a set, a complex, bytes, a torch.device), or,
-    with `args` None, the global itself (a dtype): what torch's weights-only unpickler allows."""
-
-    __slots__ = ("args", "module", "name")
-
-    def __init__(self, module: str, name: str, args: tuple[Any, ...] | None = None):
-        self.module, self.name, self.args = module, name, args
-
-
-class _Pickler:
-    """Protocol 2 pickle opcodes for the few kinds of object a state dict holds; globals and the strings of
-    persistent ids are memoized, as Python's pickler does."""
-
-    def __init__(self) -> None:
-        self.out = bytearray(b"\x80\x02")
-        self._memo: dict[Any, int] = {}
-
-    def dump(self, obj: Any) -> bytes:
-        self._save(obj)
-        self.out += b"."
-        return bytes(self.out)
-
-    def _put(self, key: Any) -> None:
-        n = self._memo[key] = len(self._memo)
-        self.out += b"q" + bytes([n]) if n < 256 else b"r" + struct.pack("<I", n)
-
-    def _memoized(self, key: Any) -> bool:
-        n = self._memo.get(key)
-        if n is None:
-            return False
-        self.out += b"h" + bytes([n]) if n < 256 else b"j" + struct.pack("<I", n)
-        return True
-
-    def _global(self, module: str, name: str) -> None:
-        if not self._memoized(("global", module, name)):
-            self.out += f"c{module}\n{name}\n".encode()
-            self._put(("global", module, name))
-
-    def _string(self, text: str, memo: bool = False) -> None:
-        if memo and self._memoized(("str", text)):
-            return
-        data = text.encode("utf-8", "surrogatepass")
-        self.out += b"X" + struct.pack("<I", len(data)) + data
-        if memo:
-            self._put(("str", text))
-
-    def _save(self, obj: Any) -> None:
-        t = type(obj)
-        if obj is None:
-            self.out += b"N"
-        elif t is bool:
-            self.out += b"\x88" if obj else b"\x89"
-        elif t is int:
-            self._int(obj)
-        elif t is float:
-            self.out += b"G" + struct.pack(">d", obj)
-        elif t is str:
-            self._string(obj)
-        elif t is tuple:
-            self._tuple(obj)
-        elif t is list:
-            self.out += b"]"
-            for i in range(0, len(obj), 1000):
-                self.out += b"("
-                for item in obj[i : i + 1000]:
-                    self._save(item)
-                self.out += b"e"
-        elif t in (dict, OrderedDict):
-            if t is OrderedDict:
-                self._global("collections", "OrderedDict")
-                self.out += b")R"
-            else:
-                self.out += b"}"
-            items = list(obj.items())
-            for i in range(0, len(items), 1000):
-                self.out += b"("
-                for k, v in items[i : i + 1000]:
-                    self._save(k)
-                    self._save(v)
-                self.out += b"u"
-        elif t is _TensorRef:
-            self._tensor(obj)
-        elif t is _Call:
-            self._global(obj.module, obj.name)
-            if obj.args is not None:
-                self._tuple(obj.args)
-                self.out += b"R"
-        else:  # _layout lets nothing else through
-            raise AssertionError(f"no pickle for a {t.__name__}")
-
-    def _int(self, n: int) -> None:
-        if 0 <= n < 256:
-            self.out += b"K" + bytes([n])
-        elif 0 <= n < 65536:
-            self.out += b"M" + struct.pack("<H", n)
-        elif -(1 << 31) <= n < 1 << 31:
-            self.out += b"J" + struct.pack("<i", n)
-        else:
-            data = n.to_bytes(n.bit_length() // 8 + 1, "little", signed=True)
-            if n < 0 and len(data) > 1 and data[-1] == 0xFF and data[-2] & 0x80:
-                data = data[:-1]  # as pickle's encode_long
-            self.out += b"\x8a" + bytes([len(data)]) + data  # _layout refuses ints of more than 255 bytes
-
-    def _tuple(self, items: tuple[Any, ...]) -> None:
-        if not items:
-            self.out += b")"
-            return
-        if len(items) > 3:
-            self.out += b"("
-        for item in items:
-            self._save(item)
-        self.out += b"t" if len(items) > 3 else b"\x85\x86\x87"[len(items) - 1 : len(items)]
-
-    def _tensor(self, ref: _TensorRef) -> None:
-        t = ref.tensor
-        storage = _STORAGE[t.dtype]
-        self._global("torch._utils", "_rebuild_tensor_v2" if storage else "_rebuild_tensor_v3")
-        self.out += b"("
-        self.out += b"("  # the persistent id
-        self._string("storage", memo=True)
-        if storage:
-            self._global("torch", storage)
-        else:
-            self._global("torch.storage", "UntypedStorage")
-        self._string(ref.key)
-        self._string("cpu", memo=True)
-        self._int(ref.numel_of_storage)
-        self.out += b"tQ"
-        self._int(0)
-        self._tuple(tuple(t.shape))
-        strides, step = [], 1
-        for n in reversed(t.shape):
-            strides.append(step)
-            step *= n
-        self._tuple(tuple(reversed(strides)))
-        self.out += b"\x89"
-        self._global("collections", "OrderedDict")
-        self.out += b")R"
-        if not storage:
-            self._global("torch", t.dtype)
-        self.out += b"tR"
-
-
 # -- what the object holds ---------------------------------------------------------------------------
 
 _SKIP = object()  # what _layout gives for what the output leaves out
+
+
+class _Size:
+    """A torch.Size as the writer reads it (the names see a tuple): its items, written back as a torch.Size."""
+
+    __slots__ = ("dims",)
+
+    def __init__(self, dims: tuple[int, ...]):
+        self.dims = dims
+
+
+class _Parameter:
+    """An nn.Parameter as the writer reads it (the names see its tensor): written back as a Parameter."""
+
+    __slots__ = ("requires_grad", "tensor")
+
+    def __init__(self, tensor: Any, requires_grad: bool):
+        self.tensor, self.requires_grad = tensor, requires_grad
+
+
+def _keeping(module: str, name: str) -> Any:
+    """The pickle machine's resolver for `_rebuild`: torch's, but torch.Size and nn.Parameter kept as such."""
+    from clipcli.checkpoint.formats._pickle import Constructor
+    from clipcli.checkpoint.formats._torch_records import resolve
+
+    found = resolve(module, name)
+    qualified = f"{module}.{name}"
+    if qualified == "torch.Size":
+        return Constructor(qualified, lambda *args: _Size(found.func(*args)))
+    if qualified in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
+        return Constructor(qualified, lambda *args: _Parameter(found.func(*args), args[1:2] == (True,)))
+    return found
 
 
 def _layout(tensors: list[TensorInfo], metadata: dict[str, str], store: Store) -> Any:
@@ -244,7 +94,7 @@ def _layout(tensors: list[TensorInfo], metadata: dict[str, str], store: Store) -
     if source is not None and not source[2]:
         path, root, _ = source
         return _rebuild(root, path.stem, tensors, metadata)
-    return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
+    return OrderedDict((t.name, TensorRef(t)) for t in tensors)
 
 
 def _torch_source(tensors: list[TensorInfo], store: Store) -> tuple[Path, Any, bool] | None:
@@ -262,14 +112,14 @@ def _torch_source(tensors: list[TensorInfo], store: Store) -> tuple[Path, Any, b
             return None
     except OSError:
         return None
-    return (path, *read_root(path, store))
+    return (path, *read_root(path, store, _keeping))
 
 
 def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dict[str, str]) -> Any:
     """The object `root` (a PyTorch file's, as the pickle machine built it) with its tensors replaced by those
     written and its leaves kept where they are still in `metadata`; names as `_torch_names.flatten` gives."""
     from clipcli.checkpoint.formats._numpy_pickle import NumpyArray
-    from clipcli.checkpoint.formats._pickle import Placeholder
+    from clipcli.checkpoint.formats._pickle import PickledCounter, Placeholder
     from clipcli.checkpoint.formats._torch_names import _children, _key_text
     from clipcli.checkpoint.formats._torch_records import Storage, Tensor
 
@@ -288,12 +138,19 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
                     tensor=label,
                 )
             return _SKIP  # its tensors, if any, go to the top (below)
+        if isinstance(obj, _Parameter):  # torch._utils._rebuild_parameter(tensor, requires_grad, hooks)
+            ref = walk(obj.tensor, name, depth)
+            hooks = OrderedDict()  # type: ignore[var-annotated]
+            return ref if ref is _SKIP else Call("torch._utils", "_rebuild_parameter", (ref, obj.requires_grad, hooks))
+        if isinstance(obj, _Size):
+            dims = walk(obj.dims, name, depth)
+            return dims if dims is _SKIP else Call("torch", "Size", (dims,))
         if isinstance(obj, (NumpyArray, Tensor, Storage)):
             t = by_name.get(label)
             if t is None:
                 return _SKIP  # not selected
             placed.add(label)
-            return _TensorRef(t)
+            return TensorRef(t)
         children = _children(obj)
         if children is not None and (children or depth == 0):
             kept, gap = [], None
@@ -306,6 +163,8 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
                     raise _renumbered(gap, label, obj)
                 else:
                     kept.append((_plain_key(key, label), item))
+            if isinstance(obj, PickledCounter):  # collections.Counter(dict): in torch's weights-only allowlist
+                return Call("collections", "Counter", (dict(kept),))
             if isinstance(obj, dict):
                 return (OrderedDict if type(obj) is not dict else dict)(kept)
             return type(obj)(v for _, v in kept)
@@ -319,9 +178,9 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
         out = OrderedDict()
     if left:  # inside a placeholder left out, or not where the structure holds them: at the top, by name
         if not isinstance(out, dict):
-            return OrderedDict((t.name, _TensorRef(t)) for t in tensors)
+            return OrderedDict((t.name, TensorRef(t)) for t in tensors)
         for t in left:
-            out[t.name] = _TensorRef(t)
+            out[t.name] = TensorRef(t)
     return out
 
 
@@ -347,25 +206,35 @@ def _plain(value: Any, name: str) -> Any:
         return value
     if t in (dict, list, tuple) and not value:
         return t()
+    from clipcli.checkpoint.formats._pickle import PickledCounter, kind
+
+    if t is PickledCounter:
+        return Call("collections", "Counter", ({},))
     if isinstance(value, dict) and not value:
         return OrderedDict()
-    from clipcli.checkpoint.formats._pickle import kind
-    from clipcli.checkpoint.formats._torch_records import Device, Named
+    from clipcli.checkpoint.formats._torch_records import LAYOUTS, QSCHEMES, Device, Named
 
     if t is complex:
-        return _Call("builtins", "complex", (value.real, value.imag))
+        return Call("builtins", "complex", (value.real, value.imag))
     if t is bytes:
-        return _Call("_codecs", "encode", (value.decode("latin-1"), "latin1"))
+        return Call("_codecs", "encode", (value.decode("latin-1"), "latin1"))
     if t is set:
-        return _Call("builtins", "set", ([_plain(v, name) for v in sorted(value, key=repr)],))
+        return Call("builtins", "set", ([_plain(v, name) for v in sorted(value, key=repr)],))
     if isinstance(value, Device):
-        return _Call("torch", "device", (value.text,))
+        return Call("torch", "device", (value.text,))
     if isinstance(value, Named) and value.dtype is not None and value.name.startswith("torch."):
-        return _Call("torch", value.name[len("torch.") :])
+        return Call("torch", value.name[len("torch.") :])
+    if isinstance(value, Named) and value.name in LAYOUTS:  # as torch pickles a layout
+        return Call("torch.serialization", "_get_layout", (value.name,))
+    if isinstance(value, Named) and value.name in QSCHEMES:
+        return Call("torch", value.name[len("torch.") :])
 
+    why = " (torch.load(weights_only=True) refuses builtins.frozenset)" if t is frozenset else ""
     raise UnsupportedError(
-        f"a {kind(value)}, which clipcli does not write to a .pt (it writes numbers, strings, booleans, None, "
-        "bytes, sets, dtypes, devices and containers of them); give --drop-metadata to write the tensors without it",
+        f"a {kind(value)}{why}, which clipcli does not write to a .pt (it writes what torch's weights-only "
+        "unpickler reads back: numbers, strings, booleans, None, bytes, sets, dtypes, devices, layouts, "
+        "quantization schemes, torch.Size, Parameters and containers of them); give --drop-metadata to write the "
+        "tensors without it",
         tensor=name,
     )
 
@@ -420,11 +289,11 @@ def write(
         UnsupportedError: for a metadata leaf a .pt cannot hold, or tied names that this write makes differ.
     """
     obj = _layout(tensors, metadata, store)
-    refs: list[_TensorRef] = []
+    refs: list[TensorRef] = []
     _collect(obj, refs)
     by_tensor = {id(r.tensor): r for r in refs}
-    first: dict[str, _TensorRef] = {}  # a storage of the input: its first name written
-    tied: dict[str, _TensorRef] = {}  # a later name of the same view: the first's
+    first: dict[str, TensorRef] = {}  # a storage of the input: its first name written
+    tied: dict[str, TensorRef] = {}  # a later name of the same view: the first's
     keys = 0
     for t in tensors:  # keys in the order the data is written (the pickle's order, but for names moved up)
         ref = by_tensor[id(t)]
@@ -434,10 +303,10 @@ def write(
             ref.key, ref.numel_of_storage = earlier.key, earlier.numel_of_storage
             continue
         ref.key, keys = str(keys), keys + 1
-        ref.numel_of_storage = t.size if _STORAGE[t.dtype] else t.nbytes
+        ref.numel_of_storage = t.size if STORAGE[t.dtype] else t.nbytes
         if t.storage is not None:
             first.setdefault(t.storage, ref)
-    pickle = _Pickler().dump(obj)
+    pickle = Pickler().dump(obj)
     archive = Archive(f, folder_of(f))
     try:
         archive.record("data.pkl", pickle)
@@ -464,7 +333,7 @@ def write(
         archive.release()
 
 
-def _check_tied(t: TensorInfo, first: _TensorRef, written: dict[str, int], chunks: Iterable[np.ndarray]) -> int:
+def _check_tied(t: TensorInfo, first: TensorRef, written: dict[str, int], chunks: Iterable[np.ndarray]) -> int:
     """Takes the chunks of a name that shares the storage of one written before, checking that they equal what
     was written (by their CRC-32); returns their byte count.
 
@@ -487,17 +356,19 @@ def _check_tied(t: TensorInfo, first: _TensorRef, written: dict[str, int], chunk
     return n
 
 
-def _collect(obj: Any, refs: list[_TensorRef]) -> None:
+def _collect(obj: Any, refs: list[TensorRef]) -> None:
     """The tensors an object holds, in the order its pickle names them."""
     stack = [obj]
     while stack:
         o = stack.pop()
-        if type(o) is _TensorRef:
+        if type(o) is TensorRef:
             refs.append(o)
         elif isinstance(o, dict):
             stack.extend(reversed([x for kv in o.items() for x in kv]))
         elif type(o) in (list, tuple):
             stack.extend(reversed(o))
+        elif type(o) is Call and o.args:
+            stack.extend(reversed(o.args))
 
 
 def check_tensor(t: TensorInfo) -> None:
@@ -506,7 +377,7 @@ def check_tensor(t: TensorInfo) -> None:
     Raises:
         UnsupportedError: naming the dtype.
     """
-    if t.dtype not in _STORAGE or t.array_dtype is None:
+    if t.dtype not in STORAGE or t.array_dtype is None:
         raise UnsupportedError(
             f"dtype {t.dtype} has no place in a .pt written by clipcli; give --exclude {shlex.quote(t.name)} to "
             "write the other tensors, or write .npz"
@@ -548,9 +419,16 @@ def check_file(
         )
     try:
         kept = [key for key in metadata if key not in _layout_keys(tensors)]
+        n = len(kept)
+        keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
+        if kept and not tensors:  # the structure of a PyTorch source is found through its tensors' file
+            raise UnsupportedError(
+                f"the {source_format} checkpoint holds no tensor, only metadata ({n:,} "
+                f"{'entry' if n == 1 else 'entries'}: {keys}), which clipcli writes to a .pt only around the tensors "
+                "it holds; copy the file to keep it as it is, or write .safetensors (its header keeps each entry as "
+                "a string)"
+            )
         if kept and (source is None or source[2]):
-            n = len(kept)
-            keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
             raise UnsupportedError(
                 f"the metadata ({n:,} {'entry' if n == 1 else 'entries'}: {keys}) of a {source_format} checkpoint "
                 "has no place in a .pt (a state dict of tensors); give --drop-metadata to write the tensors "

@@ -196,6 +196,26 @@ def parameters() -> dict:
     }
 
 
+def kept_types() -> dict:
+    """Values of the types torch's weights-only unpickler allows, which a .pt written by clipcli gives back as such
+    (gh-24: a layout and a quantization scheme were refused, a torch.Size came back a tuple, a Parameter a Tensor)."""
+    torch.manual_seed(5)
+    return {
+        "weight": torch.nn.Parameter(torch.randn(2, 3)),
+        "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+        "buffer": torch.randn(3),
+        "layout": torch.strided,
+        "sparse_layout": torch.sparse_coo,
+        "qscheme": torch.per_channel_affine,
+        "size": torch.Size([2, 3]),
+        "empty_size": torch.Size([]),
+        "counts": collections.Counter("abbccc"),
+        "members": {3, 1, 2},
+        "by_pair": {(1, "a"): 3, (2, "b"): (4.5, None)},
+        "pair": (1, "a", 2.5),
+    }
+
+
 def nested() -> dict:
     torch.manual_seed(4)
     return {
@@ -768,6 +788,8 @@ def main() -> None:
         "parameter.pth": (parameters(), {}),
         "single.pt": (torch.linspace(-1, 1, 7), {}),
         "nested.pt": (nested(), {}),
+        "kept_types.pt": (kept_types(), {}),
+        "metadata_only.pt": ({"lr": 0.1, "step": 5}, {}),
         "nested_legacy.pt": (nested(), {"_use_new_zipfile_serialization": False}),
         "special.pt": (special(), {}),
         "pytorch_model.bin": (model.state_dict(), {}),

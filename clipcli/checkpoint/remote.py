@@ -13,7 +13,6 @@ failure (a 5xx or 429 answer, a connection reset, a body cut short) is retried w
 from __future__ import annotations
 
 import io
-import logging
 import os
 import re
 import threading
@@ -79,6 +78,8 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
         import fsspec
     except ImportError as e:
         raise UsageError(f"reading {protocol}:// URLs needs fsspec: {INSTALL}", url) from e
+    import logging
+
     for name in _LOGGERS:  # their warnings and retries are theirs: clipcli's error is the one line the user sees
         logging.getLogger(name).addHandler(logging.NullHandler())
     options: dict[str, Any] = {}

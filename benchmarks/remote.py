@@ -2,14 +2,16 @@
 
     python benchmarks/remote.py                 # 2 GiB float32 (the goal: global-norm ≤ 1.3x curl)
     python benchmarks/remote.py --gib 0.5 --reps 5 --jobs 1,2,4
+    python benchmarks/remote.py --before 'env PYTHONPATH=/tmp/old python -P -m clipcli'   # and another clipcli
 
 Needs the remote extra (`pip install -e '.[remote]'`) and curl. The server is the tests' (`tests/servers.py`:
 Python's threading HTTP server, bodies sent with `sendfile`), run in a process of its own so that neither side
 shares its GIL. The checkpoint is generated into benchmarks/data/ (git-ignored) when missing and the page cache
 warmed first. Prints the median wall time of each side over --reps alternating pairs and their ratio, and
 beside them clipcli's on the local file (timed in the same rounds): what the network costs it; and, per row, the
-requests, connections and bytes the server counted for one clipcli run. The machine is shared and noisy: only
-ratios measured side by side in one run mean anything.
+requests, connections and bytes the server counted for one clipcli run. `--before CMD` times another clipcli (an
+earlier commit's) in the same rounds, for a before/after. The machine is shared and noisy: only ratios measured
+side by side in one run mean anything.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--clipcli", default=f"{shlex.quote(sys.executable)} -P -m clipcli", help="how to run clipcli (default: -P)"
     )
+    parser.add_argument("--before", default="", help="another clipcli to time in the same rounds (a command line)")
     args = parser.parse_args(argv)
     path = ensure(args.gib)
     subprocess.run(["cat", str(path)], check=True, stdout=subprocess.DEVNULL)  # the page cache, warmed
@@ -92,8 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         env_path = os.pathsep.join(p for p in (str(ROOT), ENV.get("PYTHONPATH", "")) if p)
         ENV["PYTHONPATH"] = env_path
         print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB over {url.rsplit('/', 1)[0]}, {args.reps} pairs")
-        print("| command | clipcli, the URL | curl -o /dev/null | ratio | clipcli, the local file |")
-        print("|---|---:|---:|---:|---:|")
+        before = "| before, the URL | ratio " if args.before else ""
+        print(f"| command {before}| clipcli, the URL | curl -o /dev/null | ratio | clipcli, the local file |")
+        print("|---|---:|---:|---:|---:|" + ("---:|---:|" if args.before else ""))
         counted = []
         for jobs in [j for j in args.jobs.split(",") if j] or [None]:
             extra = [] if jobs is None else ["--jobs", jobs]
@@ -106,9 +110,11 @@ def main(argv: list[str] | None = None) -> None:
             counted.append(
                 f"{label}: {requests - 1} requests ({gets - 1} GETs), {connections - 1} connections, {mine:.3f} GiB"
             )
-            runs = [(timed(ours), timed(curl), timed(local)) for _ in range(args.reps)]
-            a, b, c = (statistics.median(r[k] for r in runs) for k in range(3))
-            print(f"| {label} | {a:.2f} s | {b:.2f} s | {a / b:.2f}x | {c:.2f} s |", flush=True)
+            then = [*shlex.split(args.before), "global-norm", url, "--quiet", *extra] if args.before else None
+            runs = [(timed(ours), timed(curl), timed(local), timed(then) if then else 0.0) for _ in range(args.reps)]
+            a, b, c, d = (statistics.median(r[k] for r in runs) for k in range(4))
+            was = f" {d:.2f} s | {d / b:.2f}x |" if then else ""
+            print(f"| {label} |{was} {a:.2f} s | {b:.2f} s | {a / b:.2f}x | {c:.2f} s |", flush=True)
         print("\nAt the server, one run of each (curl: 1 GET):", "; ".join(counted))
     finally:
         server.terminate()

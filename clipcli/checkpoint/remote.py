@@ -13,7 +13,6 @@ failure (a 5xx or 429 answer, a connection reset, a body cut short) is retried w
 from __future__ import annotations
 
 import io
-import logging
 import os
 import re
 import threading
@@ -81,6 +80,8 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
         import fsspec
     except ImportError as e:
         raise UsageError(f"reading {protocol}:// URLs needs fsspec: {INSTALL}", url) from e
+    import logging
+
     for name in _LOGGERS:  # their warnings and retries are theirs: clipcli's error is the one line the user sees
         logging.getLogger(name).addHandler(logging.NullHandler())
     options: dict[str, Any] = {}
@@ -167,96 +168,162 @@ class RemoteSource:
         return retried(get)
 
 
-class _Stream:
-    """A ranged GET of one file's bytes [at, end) being read in order: `body` is None until it is sent."""
+class _Read:
+    """A read waiting in a stream for its bytes: `state` is None until its stream's receiver has filled `view`
+    ("done"), failed (`error`), or given the stream up ("again": the read is to find another). Its thread waits on
+    `woken` (on the streams' one lock), woken for this read alone."""
 
-    def __init__(self, at: int, end: int):
+    __slots__ = ("error", "offset", "state", "view", "woken")
+
+    def __init__(self, offset: int, view: memoryview, lock: threading.Lock):
+        self.offset, self.view = offset, view
+        self.state: str | None = None
+        self.error: BaseException | None = None
+        self.woken = threading.Condition(lock)
+
+    def finish(self, state: str, error: BaseException | None = None) -> None:
+        """Says how the read ended and wakes its thread (the lock held)."""
+        self.state, self.error = state, error
+        self.woken.notify()
+
+
+class _Stream:
+    """A ranged GET of one file's bytes [at, end): `body` is None until it is sent; `reads` wait for their bytes,
+    by offset; `busy` while its receiver receives one of them; `closed` when no more is to be received. Its
+    receiver waits on `woken` for the read at `at`."""
+
+    def __init__(self, at: int, end: int, lock: threading.Lock):
         self.at, self.end = at, end
         self.body: Any = None
-        self.busy = True  # a thread is sending it or reading from it
+        self.reads: dict[int, _Read] = {}
+        self.busy = False
+        self.closed = False
+        self.woken = threading.Condition(lock)
+
+    def close(self) -> None:
+        """Marks the stream closed and wakes its receiver, which closes the body (the lock held)."""
+        self.closed = True
+        self.woken.notify()
 
 
 class _Streams:
-    """Read-ahead for one file: ranged GETs left open, each read in order by whichever thread asks for its next
-    bytes, so a tensor's chunks cost one request, and the server sends on while the threads compute.
+    """Read-ahead for one file: ranged GETs left open, each received in order by a thread of its own (the
+    stream's receiver) straight into the buffers of the reads that wait for its next bytes, so that a tensor's
+    chunks cost one request, the server sends on while the engine's threads compute, and no thread that computes
+    has to be woken for the next bytes to be received (each thread is woken for what it waits for only).
 
-    A read at `offset` takes the stream that has got there; waits while another thread reads the bytes before it
-    (they were handed out in order: that thread asks for them next); or opens a stream from `offset` to the
-    caller's `end`, never beyond where another stream starts (no byte is asked for twice). After `_WAIT_S` in
-    vain, a stream that no read came back to (its reader failed, or stopped) is given up, and a read behind a slow
-    one reads its own range alone. What waits in a stream's socket is bounded by the kernel's buffers; streams left
-    unread are closed past `_STREAMS` and with the file.
+    A read at `offset` joins the stream that has got there or will (it waits there while the receiver fills the
+    reads before it: they were handed out in order), or opens a stream from `offset` to the caller's `end`, never
+    beyond where another stream starts (no byte is asked for twice). After `_WAIT_S` in vain, a stream whose
+    receiver waits for a read that does not come (its reader failed, or stopped) is given up, and a read behind a
+    slow one reads its own range alone. What waits in a stream's socket is bounded by the kernel's buffers;
+    streams left unread are closed past `_STREAMS` and with the file.
     """
 
     def __init__(self, open_range: Any):
         self._open = open_range  # (start, end) -> a body with read_into(view), close() and left
         self._streams: list[_Stream] = []
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
 
     def read_into(self, offset: int, view: memoryview, end: int) -> None:
-        stream = self._take(offset, offset + len(view), end)
-        try:
-            if stream.body is None:
-                stream.body = self._open(stream.at, stream.end)
-            stream.body.read_into(view)
-        except BaseException:
-            self._drop(stream)
-            raise
-        with self._changed:
-            stream.at += len(view)
-            stream.busy = False
-            if stream.at >= stream.end and stream in self._streams:
-                self._streams.remove(stream)
-            self._changed.notify_all()
-
-    def close(self) -> None:
-        with self._changed:
-            for stream in self._streams:
-                if stream.body is not None and not stream.busy:
-                    stream.body.close()
-            self._streams.clear()
-
-    def _take(self, offset: int, stop: int, end: int) -> _Stream:
-        """The stream this read is to come from, marked busy (a new one, or one for this read alone)."""
-        deadline = time.monotonic() + _WAIT_S
-        with self._changed:
+        read = _Read(offset, view, self._lock)
+        with self._lock:
             while True:
-                ahead = next((s for s in self._streams if s.at <= offset < s.end), None)
-                if ahead is None:
+                stream = next((s for s in self._streams if s.at <= offset < s.end), None)
+                if stream is None:
                     until = min([end, *(s.at for s in self._streams if offset < s.at)])  # no byte asked twice
-                    stream = _Stream(offset, max(until, stop))
+                    stream = _Stream(offset, max(until, offset + len(view)), self._lock)
                     self._streams.append(stream)
                     self._limit()
-                    return stream
-                if ahead.at == offset and not ahead.busy:
-                    ahead.busy = True
-                    return ahead
-                left = deadline - time.monotonic()
-                if left <= 0 and ahead.busy:  # a read before this one is slow: this one reads alone
-                    return _Stream(offset, stop)
-                if left <= 0:  # no read came for the bytes before this one's: the stream is given up
-                    self._streams.remove(ahead)
-                    if ahead.body is not None:
-                        ahead.body.close()
-                    continue
-                self._changed.wait(left)
+                    threading.Thread(target=self._receive, args=(stream,), daemon=True).start()
+                read.state = None
+                stream.reads[offset] = read
+                if offset == stream.at:
+                    stream.woken.notify()
+                try:
+                    alone = self._wait(stream, read)
+                except BaseException:
+                    stream.reads.pop(offset, None)
+                    raise
+                if read.state != "again":
+                    break
+        if alone:  # outside the lock
+            body = self._open(offset, offset + len(view))
+            body.read_into(view)
+        elif read.error is not None:
+            raise read.error
 
-    def _drop(self, stream: _Stream) -> None:
-        """Forgets a stream after a failure (its body closed): the retry opens another from where it was."""
-        if stream.body is not None:
-            stream.body.close()
-        with self._changed:
-            if stream in self._streams:
-                self._streams.remove(stream)
-            self._changed.notify_all()
+    def close(self) -> None:
+        with self._lock:
+            for stream in self._streams:
+                for read in stream.reads.values():  # (none but after a failure elsewhere)
+                    read.finish("failed", OSError("the file was closed"))
+                stream.close()
+            self._streams.clear()
+
+    def _wait(self, stream: _Stream, read: _Read) -> bool:
+        """Waits (holding the lock) until the receiver has done `read`; True where it is to read alone instead."""
+        deadline = time.monotonic() + _WAIT_S
+        while read.state is None:
+            left = deadline - time.monotonic()
+            waiting = stream.reads.get(read.offset) is read and stream.at not in stream.reads  # none before it comes
+            if left <= 0 and waiting:
+                if stream.busy:  # a read before this one is slow: this one reads alone
+                    del stream.reads[read.offset]
+                    return True
+                self._give_up(stream)  # no read came for the bytes before this one's
+                continue
+            read.woken.wait(left if left > 0 else _WAIT_S)  # past the deadline: looked at again now and then
+        return False
+
+    def _receive(self, stream: _Stream) -> None:
+        """The stream's receiver: fills the reads in order, until the stream ends, fails or is closed."""
+        try:
+            while True:
+                with self._lock:
+                    while not stream.closed and stream.at not in stream.reads:
+                        stream.woken.wait()
+                    if stream.closed:
+                        return
+                    read = stream.reads.pop(stream.at)
+                    stream.busy = True
+                try:
+                    if stream.body is None:
+                        stream.body = self._open(stream.at, stream.end)
+                    stream.body.read_into(read.view)
+                except BaseException as e:
+                    with self._lock:
+                        stream.busy = False
+                        read.finish("failed", e)
+                        self._give_up(stream)  # the retry opens another from where it was
+                    return
+                with self._lock:
+                    stream.at += len(read.view)
+                    stream.busy = False
+                    read.finish("done")
+                    if stream.at >= stream.end:
+                        stream.closed = True
+                        if stream in self._streams:
+                            self._streams.remove(stream)
+        finally:
+            if stream.body is not None and stream.body.left:
+                stream.body.close()
+
+    def _give_up(self, stream: _Stream) -> None:
+        """Forgets a stream (its receiver closes it): its waiting reads are to find another."""
+        if stream in self._streams:
+            self._streams.remove(stream)
+        for other in stream.reads.values():
+            other.finish("again")
+        stream.reads.clear()
+        stream.close()
 
     def _limit(self) -> None:
         """Closes the oldest idle streams past `_STREAMS` (reads that never came back for the rest)."""
-        idle = [s for s in self._streams if not s.busy]
+        idle = [s for s in self._streams if not s.busy and not s.reads]
         for stream in idle[: max(0, len(self._streams) - _STREAMS)]:
-            if stream.body is not None:
-                stream.body.close()
             self._streams.remove(stream)
+            stream.close()
 
 
 class RemoteStore:

@@ -168,6 +168,47 @@ def test_a_url_with_a_space_is_sent_percent_encoded(tmp_path):
         assert {path for _, path, _ in server.requests} == {"/a%20b.safetensors"}
 
 
+def test_redirects_are_followed_on_the_connection_kept_open(tmp_path):
+    # httpfs's own HTTP/1.1 client (http.client, email and ssl took a tenth of a URL run's start-up to import)
+    with range_server({"grads.safetensors": SAMPLES / "grads.safetensors"}) as server:
+        server.routes["/moved"] = (302, {"Location": "/grads.safetensors"}, b"moved")
+        server.routes["/old"] = (301, {"Location": f"{server.url}/moved"}, b"")
+        with open_checkpoint(SAMPLES / "grads.safetensors") as ckpt:
+            expected = contents(ckpt)
+        with open_checkpoint(f"{server.url}/old") as ckpt:
+            assert contents(ckpt)[1:] == expected[1:]
+        assert [p for _, p, _ in server.requests[:3]] == ["/old", "/moved", "/grads.safetensors"]
+        assert server.connections == 1
+
+
+def test_an_answer_that_closes_its_connection_is_not_sent_on_again(tmp_path, monkeypatch):
+    waits = []
+    monkeypatch.setattr(_remote.time, "sleep", waits.append)  # a request sent on a closed connection is retried
+    with range_server({"grads.safetensors": SAMPLES / "grads.safetensors"}) as server:
+        server.routes["/moved"] = (302, {"Location": "/grads.safetensors", "Connection": "close"}, b"")
+        with open_checkpoint(f"{server.url}/moved") as ckpt:
+            assert len(ckpt.tensors) == 17
+        asked = [("HEAD", "/moved"), ("HEAD", "/grads.safetensors"), ("GET", "/moved"), ("GET", "/grads.safetensors")]
+        assert [(m, p) for m, p, _ in server.requests] == asked
+        assert server.connections == 3  # each redirect's closed by the server
+    assert waits == []
+
+
+def test_an_http_url_is_read_without_http_client_email_or_ssl(tmp_path):
+    code = (
+        "import sys\n"
+        "from clipcli.checkpoint import open_checkpoint\n"
+        "with open_checkpoint(sys.argv[1]) as c:\n"
+        "    c.read(c.tensors[0])\n"
+        "print(sorted(m for m in ('http.client', 'email', 'ssl', 'logging', 'encodings.idna') if m in sys.modules))"
+    )
+    with range_server({"grads.safetensors": SAMPLES / "grads.safetensors"}) as server:
+        url = f"{server.url}/grads.safetensors"
+        done = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_a_missing_url_is_a_missing_file(tmp_path):
     with range_server({}) as server, pytest.raises(MissingFileError) as raised:
         open_checkpoint(f"{server.url}/nothing.safetensors")

@@ -241,8 +241,9 @@ static void release_buffers(int n, Py_buffer *views) {
  *   that flush to zero, the values that land subnormal.
  * The sums go through bins keyed by u >> 23 (sign and E) of the fractions f = u & 0x7FFFFF, in four copies
  * (value i to copy i % 4, so that runs of one binade do not wait on one another; the copies lie a padded row
- * apart, so that one key's four bins do not share an address's low 12 bits): per bin, side by side (one
- * 128-bit addition), the count and the sum of f packed as count * 2**41 + sum, and the sum of f * f; every
+ * apart, so that one key's four bins do not share an address's low 12 bits): per bin, side by side, the
+ * count and the sum of f packed as count * 2**41 + sum, and the sum of f * f (added from scalar registers,
+ * whose ports the vector work leaves free, in both loops); every
  * 2**18 values (2**16 a copy) they are emptied into the totals per E, the implicit bit added
  * ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
  * Casts round to nearest even: a target's threshold on the magnitude bits decides each count. The rounded
@@ -409,34 +410,6 @@ static const int32_t STATS_K[K_LEN] = {
         normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, K(K_NORMAL + T)), normal##T, one); \
     } while (0)
 
-/* add_to_bins of sixteen values (their bits u): the pairs to add made in vectors, then one 128-bit addition
- * per value (value j to copy j % 4). */
-__attribute__((target("arch=x86-64-v4"), always_inline)) static inline void
-bins_avx512(stats_bins *bins, __m512i u, const int32_t *k) {
-    __m512i f = _mm512_and_si512(u, K(K_FRACTION)), flag = _mm512_set1_epi64((int64_t)1 << 41);
-    __m512i f0 = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(f)), f1 = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(f, 1));
-    __m512i p0 = _mm512_add_epi64(f0, flag), p1 = _mm512_add_epi64(f1, flag);
-    __m512i q0 = _mm512_mul_epu32(f0, f0), q1 = _mm512_mul_epu32(f1, f1);
-    __m128i pairs[16]; /* values 0, 2, 4, 6, 1, 3, 5, 7, then 8, 10, ... */
-    _mm512_storeu_si512(pairs, _mm512_unpacklo_epi64(p0, q0));
-    _mm512_storeu_si512(pairs + 4, _mm512_unpackhi_epi64(p0, q0));
-    _mm512_storeu_si512(pairs + 8, _mm512_unpacklo_epi64(p1, q1));
-    _mm512_storeu_si512(pairs + 12, _mm512_unpackhi_epi64(p1, q1));
-    /* each value's bin, as a byte offset: its key's row in its copy */
-    const uint32_t row = sizeof bins->pairs[0];
-    __m512i copy = _mm512_setr_epi32(0, row, 2 * row, 3 * row, 0, row, 2 * row, 3 * row, 0, row, 2 * row, 3 * row, 0,
-                                     row, 2 * row, 3 * row);
-    uint32_t at[16];
-    _mm512_storeu_si512(at, _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(u, 23), 4), copy));
-    __asm__ volatile("" : : "r"(pairs), "r"(at) : "memory"); /* loads from memory, not shuffles (one port) */
-    static const int value[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
-    char *base = (char *)bins->pairs;
-    for (int j = 0; j < 16; j++) {
-        __m128i *bin = (__m128i *)(base + at[value[j]]);
-        _mm_store_si128(bin, _mm_add_epi64(_mm_load_si128(bin), pairs[j]));
-    }
-}
-
 #define STORE_LANES() \
     s->base = (v8d)base; \
     s->err[0] = (v8d)err0; \
@@ -490,7 +463,7 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
             _mm512_storeu_si512(m, mag);
             count_subnormals(s, bins, m, is_sub);
         }
-        bins_avx512(bins, u, k);
+        add_to_bins(bins, x + i, 16); /* in scalar registers: they have ports to spare, the vectors have not */
     }
     STORE_LANES();
     return i;

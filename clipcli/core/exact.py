@@ -52,21 +52,8 @@ class ExactSum:
         self.acc += m << (e - self.low)
 
     def add_many(self, sums: np.ndarray, k: int = 0) -> None:
-        """Adds non-negative float64 terms times 2**k exactly: as 53-bit integers shifted to a common exponent."""
-        if sums.size <= 8:  # a few terms (a small tensor's blocks): one at a time beats NumPy's set-up
-            for s in sums.tolist():
-                self.add(s, k)
-            return
-        mantissas, exponents = np.frexp(sums)
-        exponents[mantissas == 0] = exponents.max()  # zeros add nothing: keep them out of the range
-        low = int(exponents.min())
-        shifts = exponents - low
-        if shifts.max() > 10:  # too far apart for int64: one at a time
-            for s in sums.tolist():
-                self.add(s, k)
-            return
-        ints = (mantissas * 9007199254740992.0).astype(np.int64) << shifts  # < 2**63: exact
-        self.add_int(sum(ints.tolist()), low - 53 + k)
+        """Adds non-negative float64 terms times 2**k exactly (see `add_columns`)."""
+        add_columns([self], sums.reshape(-1, 1), k)
 
     def add_terms(self, s: np.ndarray, k: np.ndarray) -> None:
         """Adds non-negative terms `s * 2**k` (arrays of any shape, each term its own exponent) exactly."""
@@ -181,6 +168,39 @@ def ldexp(x: float, e: int) -> float:
         return math.ldexp(x, e)
     except OverflowError:  # e beyond C's long: far above float64's range, or far below it
         return math.copysign(math.inf if e > 0 else 0.0, x)
+
+
+def add_columns(totals: list[ExactSum], sums: np.ndarray, k: int = 0) -> None:
+    """Adds each column of non-negative float64 terms times 2**k to its total, exactly.
+
+    A column's terms become 53-bit integers shifted to their common exponent (when they lie within 2**10 of
+    one another: int64 holds them) and summed in NumPy as two halves of 32 bits, exact for fewer than 2**31
+    terms; a column spread wider, or of a few terms, is added one term at a time.
+
+    Args:
+        totals: one exact sum per column.
+        sums: the terms, one row per block and one column per total.
+        k: the power of two they are all multiplied by.
+    """
+    if sums.shape[0] <= 8:  # a few terms (a small tensor's blocks): one at a time beats NumPy's set-up
+        for total, column in zip(totals, sums.T.tolist(), strict=True):
+            for s in column:
+                total.add(s, k)
+        return
+    mantissas, exponents = np.frexp(sums)
+    exponents = np.where(mantissas == 0, exponents.max(axis=0), exponents)  # zeros: out of the range
+    low = exponents.min(axis=0)
+    shifts = exponents - low
+    wide = (shifts.max(axis=0) > 10).tolist()
+    ints = (mantissas * 9007199254740992.0).astype(np.int64) << np.minimum(shifts, 10)  # < 2**63: exact
+    high = (ints >> 32).sum(axis=0).tolist()
+    rest = (ints & 0xFFFFFFFF).sum(axis=0).tolist()
+    for j, total in enumerate(totals):
+        if wide[j]:  # too far apart for int64: one at a time
+            for s in sums[:, j].tolist():
+                total.add(s, k)
+        else:
+            total.add_int((high[j] << 32) + rest[j], int(low[j]) - 53 + k)
 
 
 def to_float(acc: int, low: int) -> float:

@@ -24,7 +24,7 @@ from clipcli.core.blocks import (
     widen,
 )
 from clipcli.core.casts import CAST_TARGETS, cast, cast_counts, error_sums, precision
-from clipcli.core.exact import ExactSum, add_signed, int_quotient, int_root, ldexp, signed
+from clipcli.core.exact import ExactSum, add_columns, add_signed, int_quotient, int_root, ldexp, signed
 
 # `_fused.stats_f32`'s running counts are folded in before its int64 sums could overflow (2**39 values), and
 # its error sums once this many calls have left some.
@@ -393,10 +393,8 @@ class StatsAccumulator:
         of the values above 464 that it keeps (`casts.error_sums`)."""
         if not self.targets:
             return
-        self._base.add_many(base)
-        for i, t in enumerate(self.targets):
-            self._errors[t].add_many(errors[:, i])
-            self._above[t].add_many(above[:, i])
+        totals = [self._base, *(self._errors[t] for t in self.targets), *(self._above[t] for t in self.targets)]
+        add_columns(totals, np.column_stack([base, errors, above]))
 
     def _cast_readiness(self, t: np.dtype) -> CastReadiness:
         overflow, flush, subnormal = self._readiness[t]

@@ -114,20 +114,20 @@ def _tasks(
 
     file, first, end = None, 0, 0  # the run's file, where it starts and ends
     for i, t in enumerate(tensors):
-        if not reader.random_access(t):
-            flush()
-            tasks.append(_Task((i,), stream=True))
-            continue
-        if t.nbytes <= SMALL_TENSOR and t.array_dtype is not None and isinstance(t.location, Span):
-            offset = t.location.offset
-            if run and not (t.file == file and 0 <= offset - end <= _GAP and offset + t.nbytes - first <= max_bytes):
+        nbytes, loc = t.nbytes, t.location
+        if nbytes <= SMALL_TENSOR and isinstance(loc, Span) and t.array_dtype is not None:  # (read anywhere)
+            offset = loc.offset
+            if run and not (t.file == file and 0 <= offset - end <= _GAP and offset + nbytes - first <= max_bytes):
                 flush()
             if not run:
                 file, first = t.file, offset
-            end = offset + t.nbytes
+            end = offset + nbytes
             run.append(i)
             continue
         flush()
+        if not reader.random_access(t):
+            tasks.append(_Task((i,), stream=True))
+            continue
         if whole:  # one worker reads it all, in order
             tasks.append(_Task((i,), stream=True))
             continue

@@ -61,7 +61,8 @@ class Checkpoint:
         self._zips: dict[str, tuple[zipfile.ZipFile, BinaryIO]] = {}
         self._zips_lock = threading.Lock()  # threads streaming members of one zip open its directory once
         self._crcs = ReadLog()
-        self._read_on: dict[tuple[str, int], int] = {}  # (file, a tensor's start) -> where reads go on to (will_read)
+        self._will_read: Sequence[TensorInfo] = ()  # the tensors the reads to come take, in order (will_read)
+        self._read_on: dict[tuple[str, int], int] | None = {}  # (file, a tensor's start) -> where reads go on to
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -186,7 +187,7 @@ class Checkpoint:
         within = getattr(source, "read_within", None)  # a remote source's read-ahead, up to where reads go on
         end = None
         if within is not None and isinstance(t.location, Span):
-            end = self._read_on.get((file, t.location.offset), t.location.offset + t.nbytes)
+            end = self._reads_on().get((file, t.location.offset), t.location.offset + t.nbytes)
         got = 0
         try:
             while got < len(view):
@@ -202,18 +203,26 @@ class Checkpoint:
     def will_read(self, tensors: Sequence[TensorInfo]) -> None:
         """Says whose bytes the reads to come take, in this order (`()`: nothing said). A source that reads ahead
         (a remote one: `read_within`) then reads on across the tensors that follow one another in a file."""
-        read_on: dict[tuple[str, int], int] = {}
-        run: list[tuple[str, int]] = []  # the starts of tensors lying one after another, in order
-        end = -1
-        for t in [*tensors, None]:
-            span = t is not None and isinstance(t.location, Span)
-            if not (span and run and t.file == run[-1][0] and t.location.offset == end):
-                read_on.update(dict.fromkeys(run, end))
-                run = []
-            if span:
-                run.append((t.file, t.location.offset))
-                end = t.location.offset + t.nbytes
-        self._read_on = read_on
+        self._will_read, self._read_on = tensors, None  # worked out when a source that reads ahead asks
+
+    def _reads_on(self) -> dict[tuple[str, int], int]:
+        """(file, a tensor's start) -> where the reads in order go on to, from the tensors of `will_read`: the end
+        of the run of tensors lying one after another that it starts."""
+        read_on = self._read_on
+        if read_on is None:  # (threads may both work it out: the same dict)
+            read_on = {}
+            run: list[tuple[str, int]] = []  # the starts of tensors lying one after another, in order
+            end = -1
+            for t in [*self._will_read, None]:
+                span = t is not None and isinstance(t.location, Span)
+                if not (span and run and t.file == run[-1][0] and t.location.offset == end):
+                    read_on.update(dict.fromkeys(run, end))
+                    run = []
+                if span:
+                    run.append((t.file, t.location.offset))
+                    end = t.location.offset + t.nbytes
+            self._read_on = read_on
+        return read_on
 
     def check(self, t: TensorInfo, data: np.ndarray) -> None:
         """Checks a tensor's bytes read whole in a larger read: a stored zip member's CRC-32.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -66,21 +68,27 @@ class NormKernel:
                 continue
             small = BLOCK * dtype.itemsize  # fewer bytes than this: fewer values than a block
             j = i + 1
-            while j < len(ts) and _joins(ts[j], dtype, small):
+            for u in itertools.islice(ts, j, None):  # the run: those of `dtype`, each fewer than `small` bytes
+                if not (
+                    (u.array_dtype is dtype or u.array_dtype == dtype) and u.stored_dtype is None and u.nbytes < small
+                ):
+                    break
                 j += 1
             run = ts[i:j]
             values = gathered(raw, starts[i:j], run, dtype)
-            sizes = [u.nbytes // dtype.itemsize for u in run]
-            self.small.append(([u.name for u in run], small_norms(values, sizes, self.p)))
+            self.small.append(([u.name for u in run], small_norms(values, _sizes(run, dtype), self.p)))
             i = j
 
     def result(self) -> tuple[dict[str, NormAccumulator], list[tuple[list[str], SmallNorms]]]:
         return self.accs, self.small
 
 
-def _joins(u: TensorInfo, dtype: np.dtype, small: int) -> bool:
-    """Whether u joins a run of small tensors of `dtype` (each of fewer than `small` bytes) for `small_norms`."""
-    return (u.array_dtype is dtype or u.array_dtype == dtype) and u.stored_dtype is None and u.nbytes < small
+def _sizes(run: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
+    """The element counts of a run of tensors of `dtype`."""
+    return np.fromiter(map(_NBYTES, run), np.int64, len(run)) // dtype.itemsize
+
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
@@ -101,9 +109,10 @@ def combined(
                 per_tensor[name].combine(acc)
             else:
                 per_tensor[name] = acc
-    for t in tensors:
-        if t.name not in per_tensor and not per_tensor.batched(t.name):
-            per_tensor[t.name] = NormAccumulator(p)  # no chunks: empty
+    if len(per_tensor) + per_tensor.batched_count < len(tensors):  # (every tensor is one or the other)
+        for t in tensors:
+            if t.name not in per_tensor and not per_tensor.batched(t.name):
+                per_tensor[t.name] = NormAccumulator(p)  # no chunks: empty
     return per_tensor
 
 
@@ -172,13 +181,14 @@ def measured(
             s.merge_into(total)
         figures = zip(s.norms().tolist(), s.max_abs.tolist(), s.nan.tolist(), s.inf.tolist(), strict=True)
         stats.update(zip(names, figures, strict=True))
-    for t in selected:
-        if t.name not in stats:
-            acc = per_tensor[t.name]
-            r = acc.result()
-            stats[t.name] = (r.norm, r.max_abs, r.nan, r.inf)
-            if not repeats:
-                total.merge(acc)
+    if len(stats) < len(selected):  # (names are distinct: every one batched or not)
+        for t in selected:
+            if t.name not in stats:
+                acc = per_tensor[t.name]
+                r = acc.result()
+                stats[t.name] = (r.norm, r.max_abs, r.nan, r.inf)
+                if not repeats:
+                    total.merge(acc)
     if repeats:  # each tensor's exact sums, the repeats left out (the same bits as merging whole batches)
         for t in selected:
             if t.name not in repeats:
@@ -193,11 +203,24 @@ def measured(
         if plain
         else {n: x for names, s in per_tensor.batches for n, x in zip(names, s.shares_of(total), strict=True)}
     )
-    rows = []
-    for t in selected:
-        norm, max_abs, nan, inf = stats[t.name]
-        share = (norm / g) ** p if plain else shares[t.name] if t.name in shares else per_tensor[t.name].share_of(total)
-        rows.append(TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, share))
+    if plain:
+        rows = [
+            TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, (norm / g) ** p)
+            for t in selected
+            for norm, max_abs, nan, inf in (stats[t.name],)
+        ]
+    else:
+        rows = [
+            TensorRow(
+                t.name,
+                t.dtype,
+                t.shape,
+                t.nbytes,
+                *stats[t.name],
+                shares[t.name] if t.name in shares else per_tensor[t.name].share_of(total),
+            )
+            for t in selected
+        ]
     return Measured(rows, skipped, total, per_tensor, dict(repeats or {}))
 
 

@@ -73,6 +73,11 @@ class PerTensor(dict):
         acc = self[key] = s.accumulator(i)
         return acc
 
+    @property
+    def batched_count(self) -> int:
+        """How many keys were measured among small tensors."""
+        return len(self._where)
+
     def batched(self, key: Any) -> bool:
         """Whether `key` was measured among small tensors (its accumulator made when asked for)."""
         return key in self._where

@@ -159,3 +159,34 @@ def test_a_store_may_open_files_as_any_seekable_file_object(tmp_path: Path, kind
     shutil.rmtree(path) if path.is_dir() else path.unlink()
     with open_checkpoint(path, store) as ckpt:
         assert contents(ckpt) == expected
+
+
+_told: list[int] = []  # where each read of a `ReadingOn` source may go on to
+
+
+class ReadingOn(MemorySource):
+    """A source that reads ahead (as a remote one does), recording where each read may go on to."""
+
+    def read_within(self, offset: int, view: memoryview, end: int) -> int:
+        _told.append(end)
+        return self.read_into(offset, view)
+
+
+def test_a_source_that_reads_ahead_is_told_where_the_reads_in_order_go_on_to(tmp_path: Path) -> None:
+    # the plan is worked out when such a source first asks, so a local run never builds it: each new plan counts
+    path = tmp_path / "m.safetensors"
+    save_file({k: np.full(4, i, np.float32) for i, k in enumerate("abc")}, str(path))
+    store = MemoryStore.copy_of([path], ReadingOn)
+    with open_checkpoint(path, store) as ckpt:
+        a, b, c = sorted(ckpt.tensors, key=lambda t: t.location.offset)
+        end = {t.name: t.location.offset + t.nbytes for t in (a, b, c)}
+        for plan, reads, expected in (
+            ([a, b], [a, b, c], [end["b"], end["b"], end["c"]]),  # c, not in the plan: its own end
+            ([b, c], [a, b], [end["a"], end["c"]]),
+            ((), [a], [end["a"]]),
+        ):
+            ckpt.will_read(plan)
+            _told.clear()
+            for t in reads:
+                assert ckpt.read(t).tolist() == [float("abc".index(t.name))] * 4
+            assert _told == expected

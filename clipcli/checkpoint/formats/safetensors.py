@@ -79,8 +79,9 @@ _DATA_ORDER = operator.itemgetter(0, 1)
 
 
 class _Parsed(NamedTuple):
-    """A tensor's object in the header as parsed (`_object`), unchecked: `shape` as a tuple, and
-    `dtype` the shared Dtype of its code."""
+    """A tensor's object in the header as parsed (`_object`), well formed by the reference reader's rules of
+    an entry (`_checked_entry` says what is wrong with any other): `shape` as a tuple, and `dtype` the shared
+    Dtype of its code."""
 
     dtype: Dtype
     shape: tuple[Any, ...]
@@ -92,14 +93,23 @@ class _Parsed(NamedTuple):
 
 
 def _object(pairs: list[tuple[str, Any]]) -> Any:
-    """A JSON object of the header: a tensor's, in the reference writer's key order, as a `_Parsed` (a
-    fraction of a dict's memory, and a header may list a million); any other as a dict without duplicate keys."""
+    """A JSON object of the header: a well-formed tensor's, in the reference writer's key order, as a `_Parsed`
+    (a fraction of a dict's memory, and a header may list a million), checked here in few steps, as the JSON
+    parser hands it over; any other as a dict without duplicate keys."""
     if len(pairs) == 3:
         (k1, code), (k2, shape), (k3, offsets) = pairs
         if k1 == "dtype" and k2 == "shape" and k3 == "data_offsets" and type(shape) is list and type(offsets) is list:
             d = DTYPES.get(code) if type(code) is str else None
             if d is not None and len(offsets) == 2:
-                return _Parsed(d, tuple(shape), *offsets)
+                begin, end = offsets
+                if (
+                    type(begin) is int
+                    and type(end) is int
+                    and 0 <= begin < end  # data, so no dimension is 0 and none overflows (see `_checked_entry`)
+                    and _counts(shape)
+                    and math.prod(shape) * d.bits == 8 * (end - begin)
+                ):
+                    return _Parsed(d, tuple(shape), begin, end)
     return _no_duplicates(pairs)
 
 
@@ -120,7 +130,13 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         MalformedError: when a reference rule is broken (naming its `defect` kind where the data's layout is).
     """
     n, metadata, header = _parse(path, f, size)
-    entries = [_entry(path, name, info, 8 + n) for name, info in header.items()]
+    base = 8 + n
+    entries = [  # (`_entry`, its common case written out: a header may list a million)
+        (base + info.begin, info.end - info.begin, name, info.dtype, info.shape)
+        if type(info) is _Parsed
+        else _checked_entry(path, name, info, base)
+        for name, info in header.items()
+    ]
     entries.sort(key=_DATA_ORDER)
     for error in _layout_defects(path, entries, 8 + n, size):
         raise error
@@ -279,20 +295,11 @@ def _not_safetensors(path: Path, f: BinaryIO, reason: str, kind: str = "header")
 
 
 def _entry(path: Path, name: str, info: Any, base: int) -> Entry:
-    """A tensor's entry, checked as the reference reader checks it: this tries the common case (a well-formed
-    entry, parsed as a `_Parsed`) in few steps, `_checked_entry` says what is wrong with any other."""
-    if type(info) is not _Parsed:
-        return _checked_entry(path, name, info, base)
-    d, shape, begin, end = info
-    if (
-        type(begin) is int
-        and type(end) is int
-        and 0 <= begin < end  # data, so no dimension is 0 and none overflows (see `_checked_entry`)
-        and _counts(shape)
-        and math.prod(shape) * d.bits == 8 * (end - begin)
-    ):
-        return base + begin, end - begin, name, d, shape
-    return _checked_entry(path, name, info.as_json(), base)
+    """A tensor's entry, checked as the reference reader checks it: a `_Parsed` was (by `_object`),
+    `_checked_entry` says what is wrong with any other."""
+    if type(info) is _Parsed:
+        return base + info.begin, info.end - info.begin, name, info.dtype, info.shape
+    return _checked_entry(path, name, info, base)
 
 
 def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:

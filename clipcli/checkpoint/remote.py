@@ -170,47 +170,33 @@ class RemoteSource:
 
 class _Read:
     """A read waiting in a stream for its bytes: `state` is None until its stream's receiver has filled `view`
-    ("done"), failed (`error`), or given the stream up ("again": the read is to find another). Its thread waits on
-    `woken` (on the streams' one lock), woken for this read alone."""
+    ("done"), failed (`error`), or given the stream up ("again": the read is to find another)."""
 
-    __slots__ = ("error", "offset", "state", "view", "woken")
+    __slots__ = ("error", "offset", "state", "view")
 
-    def __init__(self, offset: int, view: memoryview, lock: threading.Lock):
+    def __init__(self, offset: int, view: memoryview):
         self.offset, self.view = offset, view
         self.state: str | None = None
         self.error: BaseException | None = None
-        self.woken = threading.Condition(lock)
-
-    def finish(self, state: str, error: BaseException | None = None) -> None:
-        """Says how the read ended and wakes its thread (the lock held)."""
-        self.state, self.error = state, error
-        self.woken.notify()
 
 
 class _Stream:
     """A ranged GET of one file's bytes [at, end): `body` is None until it is sent; `reads` wait for their bytes,
-    by offset; `busy` while its receiver receives one of them; `closed` when no more is to be received. Its
-    receiver waits on `woken` for the read at `at`."""
+    by offset; `busy` while its receiver receives one of them; `closed` when no more is to be received."""
 
-    def __init__(self, at: int, end: int, lock: threading.Lock):
+    def __init__(self, at: int, end: int):
         self.at, self.end = at, end
         self.body: Any = None
         self.reads: dict[int, _Read] = {}
         self.busy = False
         self.closed = False
-        self.woken = threading.Condition(lock)
-
-    def close(self) -> None:
-        """Marks the stream closed and wakes its receiver, which closes the body (the lock held)."""
-        self.closed = True
-        self.woken.notify()
 
 
 class _Streams:
     """Read-ahead for one file: ranged GETs left open, each received in order by a thread of its own (the
     stream's receiver) straight into the buffers of the reads that wait for its next bytes, so that a tensor's
     chunks cost one request, the server sends on while the engine's threads compute, and no thread that computes
-    has to be woken for the next bytes to be received (each thread is woken for what it waits for only).
+    has to be woken for the next bytes to be received.
 
     A read at `offset` joins the stream that has got there or will (it waits there while the receiver fills the
     reads before it: they were handed out in order), or opens a stream from `offset` to the caller's `end`, never
@@ -223,23 +209,22 @@ class _Streams:
     def __init__(self, open_range: Any):
         self._open = open_range  # (start, end) -> a body with read_into(view), close() and left
         self._streams: list[_Stream] = []
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
 
     def read_into(self, offset: int, view: memoryview, end: int) -> None:
-        read = _Read(offset, view, self._lock)
-        with self._lock:
+        read = _Read(offset, view)
+        with self._changed:
             while True:
                 stream = next((s for s in self._streams if s.at <= offset < s.end), None)
                 if stream is None:
                     until = min([end, *(s.at for s in self._streams if offset < s.at)])  # no byte asked twice
-                    stream = _Stream(offset, max(until, offset + len(view)), self._lock)
+                    stream = _Stream(offset, max(until, offset + len(view)))
                     self._streams.append(stream)
                     self._limit()
                     threading.Thread(target=self._receive, args=(stream,), daemon=True).start()
                 read.state = None
                 stream.reads[offset] = read
-                if offset == stream.at:
-                    stream.woken.notify()
+                self._changed.notify_all()
                 try:
                     alone = self._wait(stream, read)
                 except BaseException:
@@ -254,35 +239,35 @@ class _Streams:
             raise read.error
 
     def close(self) -> None:
-        with self._lock:
+        with self._changed:
             for stream in self._streams:
+                stream.closed = True
                 for read in stream.reads.values():  # (none but after a failure elsewhere)
-                    read.finish("failed", OSError("the file was closed"))
-                stream.close()
+                    read.error, read.state = OSError("the file was closed"), "failed"
             self._streams.clear()
+            self._changed.notify_all()
 
     def _wait(self, stream: _Stream, read: _Read) -> bool:
         """Waits (holding the lock) until the receiver has done `read`; True where it is to read alone instead."""
         deadline = time.monotonic() + _WAIT_S
         while read.state is None:
             left = deadline - time.monotonic()
-            waiting = stream.reads.get(read.offset) is read and stream.at not in stream.reads  # none before it comes
-            if left <= 0 and waiting:
+            if left <= 0 and stream.reads.get(read.offset) is read and read.offset != stream.at:
                 if stream.busy:  # a read before this one is slow: this one reads alone
                     del stream.reads[read.offset]
                     return True
                 self._give_up(stream)  # no read came for the bytes before this one's
                 continue
-            read.woken.wait(left if left > 0 else _WAIT_S)  # past the deadline: looked at again now and then
+            self._changed.wait(left if left > 0 else None)
         return False
 
     def _receive(self, stream: _Stream) -> None:
         """The stream's receiver: fills the reads in order, until the stream ends, fails or is closed."""
         try:
             while True:
-                with self._lock:
+                with self._changed:
                     while not stream.closed and stream.at not in stream.reads:
-                        stream.woken.wait()
+                        self._changed.wait()
                     if stream.closed:
                         return
                     read = stream.reads.pop(stream.at)
@@ -292,38 +277,41 @@ class _Streams:
                         stream.body = self._open(stream.at, stream.end)
                     stream.body.read_into(read.view)
                 except BaseException as e:
-                    with self._lock:
+                    with self._changed:
+                        read.error, read.state = e, "failed"
                         stream.busy = False
-                        read.finish("failed", e)
                         self._give_up(stream)  # the retry opens another from where it was
                     return
-                with self._lock:
+                with self._changed:
                     stream.at += len(read.view)
                     stream.busy = False
-                    read.finish("done")
+                    read.state = "done"
                     if stream.at >= stream.end:
                         stream.closed = True
                         if stream in self._streams:
                             self._streams.remove(stream)
+                    self._changed.notify_all()
         finally:
             if stream.body is not None and stream.body.left:
                 stream.body.close()
 
     def _give_up(self, stream: _Stream) -> None:
         """Forgets a stream (its receiver closes it): its waiting reads are to find another."""
+        stream.closed = True
         if stream in self._streams:
             self._streams.remove(stream)
         for other in stream.reads.values():
-            other.finish("again")
+            other.state = "again"
         stream.reads.clear()
-        stream.close()
+        self._changed.notify_all()
 
     def _limit(self) -> None:
         """Closes the oldest idle streams past `_STREAMS` (reads that never came back for the rest)."""
         idle = [s for s in self._streams if not s.busy and not s.reads]
         for stream in idle[: max(0, len(self._streams) - _STREAMS)]:
+            stream.closed = True
             self._streams.remove(stream)
-            stream.close()
+        self._changed.notify_all()
 
 
 class RemoteStore:

@@ -168,42 +168,25 @@ class RemoteSource:
         return retried(get)
 
 
-class _Read:
-    """A read waiting in a stream for its bytes: `state` is None until its stream's receiver has filled `view`
-    ("done"), failed (`error`), or given the stream up ("again": the read is to find another)."""
-
-    __slots__ = ("error", "offset", "state", "view")
-
-    def __init__(self, offset: int, view: memoryview):
-        self.offset, self.view = offset, view
-        self.state: str | None = None
-        self.error: BaseException | None = None
-
-
 class _Stream:
-    """A ranged GET of one file's bytes [at, end): `body` is None until it is sent; `reads` wait for their bytes,
-    by offset; `busy` while its receiver receives one of them; `closed` when no more is to be received."""
+    """A ranged GET of one file's bytes [at, end) being read in order: `body` is None until it is sent."""
 
     def __init__(self, at: int, end: int):
         self.at, self.end = at, end
         self.body: Any = None
-        self.reads: dict[int, _Read] = {}
-        self.busy = False
-        self.closed = False
+        self.busy = True  # a thread is sending it or reading from it
 
 
 class _Streams:
-    """Read-ahead for one file: ranged GETs left open, each received in order by a thread of its own (the
-    stream's receiver) straight into the buffers of the reads that wait for its next bytes, so that a tensor's
-    chunks cost one request, the server sends on while the engine's threads compute, and no thread that computes
-    has to be woken for the next bytes to be received.
+    """Read-ahead for one file: ranged GETs left open, each read in order by whichever thread asks for its next
+    bytes, so a tensor's chunks cost one request, and the server sends on while the threads compute.
 
-    A read at `offset` joins the stream that has got there or will (it waits there while the receiver fills the
-    reads before it: they were handed out in order), or opens a stream from `offset` to the caller's `end`, never
-    beyond where another stream starts (no byte is asked for twice). After `_WAIT_S` in vain, a stream whose
-    receiver waits for a read that does not come (its reader failed, or stopped) is given up, and a read behind a
-    slow one reads its own range alone. What waits in a stream's socket is bounded by the kernel's buffers;
-    streams left unread are closed past `_STREAMS` and with the file.
+    A read at `offset` takes the stream that has got there; waits while another thread reads the bytes before it
+    (they were handed out in order: that thread asks for them next); or opens a stream from `offset` to the
+    caller's `end`, never beyond where another stream starts (no byte is asked for twice). After `_WAIT_S` in
+    vain, a stream that no read came back to (its reader failed, or stopped) is given up, and a read behind a slow
+    one reads its own range alone. What waits in a stream's socket is bounded by the kernel's buffers; streams left
+    unread are closed past `_STREAMS` and with the file.
     """
 
     def __init__(self, open_range: Any):
@@ -212,106 +195,69 @@ class _Streams:
         self._changed = threading.Condition()
 
     def read_into(self, offset: int, view: memoryview, end: int) -> None:
-        read = _Read(offset, view)
+        stream = self._take(offset, offset + len(view), end)
+        try:
+            if stream.body is None:
+                stream.body = self._open(stream.at, stream.end)
+            stream.body.read_into(view)
+        except BaseException:
+            self._drop(stream)
+            raise
         with self._changed:
-            while True:
-                stream = next((s for s in self._streams if s.at <= offset < s.end), None)
-                if stream is None:
-                    until = min([end, *(s.at for s in self._streams if offset < s.at)])  # no byte asked twice
-                    stream = _Stream(offset, max(until, offset + len(view)))
-                    self._streams.append(stream)
-                    self._limit()
-                    threading.Thread(target=self._receive, args=(stream,), daemon=True).start()
-                read.state = None
-                stream.reads[offset] = read
-                self._changed.notify_all()
-                try:
-                    alone = self._wait(stream, read)
-                except BaseException:
-                    stream.reads.pop(offset, None)
-                    raise
-                if read.state != "again":
-                    break
-        if alone:  # outside the lock
-            body = self._open(offset, offset + len(view))
-            body.read_into(view)
-        elif read.error is not None:
-            raise read.error
+            stream.at += len(view)
+            stream.busy = False
+            if stream.at >= stream.end and stream in self._streams:
+                self._streams.remove(stream)
+            self._changed.notify_all()
 
     def close(self) -> None:
         with self._changed:
             for stream in self._streams:
-                stream.closed = True
-                for read in stream.reads.values():  # (none but after a failure elsewhere)
-                    read.error, read.state = OSError("the file was closed"), "failed"
+                if stream.body is not None and not stream.busy:
+                    stream.body.close()
             self._streams.clear()
-            self._changed.notify_all()
 
-    def _wait(self, stream: _Stream, read: _Read) -> bool:
-        """Waits (holding the lock) until the receiver has done `read`; True where it is to read alone instead."""
+    def _take(self, offset: int, stop: int, end: int) -> _Stream:
+        """The stream this read is to come from, marked busy (a new one, or one for this read alone)."""
         deadline = time.monotonic() + _WAIT_S
-        while read.state is None:
-            left = deadline - time.monotonic()
-            if left <= 0 and stream.reads.get(read.offset) is read and read.offset != stream.at:
-                if stream.busy:  # a read before this one is slow: this one reads alone
-                    del stream.reads[read.offset]
-                    return True
-                self._give_up(stream)  # no read came for the bytes before this one's
-                continue
-            self._changed.wait(left if left > 0 else None)
-        return False
-
-    def _receive(self, stream: _Stream) -> None:
-        """The stream's receiver: fills the reads in order, until the stream ends, fails or is closed."""
-        try:
+        with self._changed:
             while True:
-                with self._changed:
-                    while not stream.closed and stream.at not in stream.reads:
-                        self._changed.wait()
-                    if stream.closed:
-                        return
-                    read = stream.reads.pop(stream.at)
-                    stream.busy = True
-                try:
-                    if stream.body is None:
-                        stream.body = self._open(stream.at, stream.end)
-                    stream.body.read_into(read.view)
-                except BaseException as e:
-                    with self._changed:
-                        read.error, read.state = e, "failed"
-                        stream.busy = False
-                        self._give_up(stream)  # the retry opens another from where it was
-                    return
-                with self._changed:
-                    stream.at += len(read.view)
-                    stream.busy = False
-                    read.state = "done"
-                    if stream.at >= stream.end:
-                        stream.closed = True
-                        if stream in self._streams:
-                            self._streams.remove(stream)
-                    self._changed.notify_all()
-        finally:
-            if stream.body is not None and stream.body.left:
-                stream.body.close()
+                ahead = next((s for s in self._streams if s.at <= offset < s.end), None)
+                if ahead is None:
+                    until = min([end, *(s.at for s in self._streams if offset < s.at)])  # no byte asked twice
+                    stream = _Stream(offset, max(until, stop))
+                    self._streams.append(stream)
+                    self._limit()
+                    return stream
+                if ahead.at == offset and not ahead.busy:
+                    ahead.busy = True
+                    return ahead
+                left = deadline - time.monotonic()
+                if left <= 0 and ahead.busy:  # a read before this one is slow: this one reads alone
+                    return _Stream(offset, stop)
+                if left <= 0:  # no read came for the bytes before this one's: the stream is given up
+                    self._streams.remove(ahead)
+                    if ahead.body is not None:
+                        ahead.body.close()
+                    continue
+                self._changed.wait(left)
 
-    def _give_up(self, stream: _Stream) -> None:
-        """Forgets a stream (its receiver closes it): its waiting reads are to find another."""
-        stream.closed = True
-        if stream in self._streams:
-            self._streams.remove(stream)
-        for other in stream.reads.values():
-            other.state = "again"
-        stream.reads.clear()
-        self._changed.notify_all()
+    def _drop(self, stream: _Stream) -> None:
+        """Forgets a stream after a failure (its body closed): the retry opens another from where it was."""
+        if stream.body is not None:
+            stream.body.close()
+        with self._changed:
+            if stream in self._streams:
+                self._streams.remove(stream)
+            self._changed.notify_all()
 
     def _limit(self) -> None:
         """Closes the oldest idle streams past `_STREAMS` (reads that never came back for the rest)."""
-        idle = [s for s in self._streams if not s.busy and not s.reads]
+        idle = [s for s in self._streams if not s.busy]
         for stream in idle[: max(0, len(self._streams) - _STREAMS)]:
-            stream.closed = True
+            if stream.body is not None:
+                stream.body.close()
             self._streams.remove(stream)
-        self._changed.notify_all()
 
 
 class RemoteStore:

@@ -137,7 +137,7 @@ def _pickles_vetted(before_output: bool) -> Iterator[None]:
                     f"clipcli: warning: {printable(f'{shown_path(audit.file)}: {calls}')} (never called here)", err=True
                 )
                 if any(opts.UNSAFE_PICKLE_GATE):
-                    failed.append(CheckFailedError(f"{calls} (--fail-unsafe-pickle)", audit.file))
+                    failed.append(CheckFailedError(f"{printable(calls)} (--fail-unsafe-pickle)", audit.file))
                     if before_output:
                         raise failed[0]
 

@@ -176,6 +176,20 @@ def test_names_from_the_file_are_escaped_in_the_table_line(tmp_path: Path) -> No
     assert not (tmp_path / SENTINEL).exists()
 
 
+def test_the_gate_line_escapes_a_name_as_the_warning_does(tmp_path: Path) -> None:
+    """review 28: a global's name with a newline was escaped in the warning (`\\n`) but flattened to a space in
+    the --fail-unsafe-pickle error line; both show it escaped, the same way."""
+    pkl = state_dict({"cfg": call("run\nfake\x07", "system", f"touch {SENTINEL}", "stack_global")})
+    path = torch_file(tmp_path / "evil.pt", pkl, legacy=False)
+    r = run("global-norm", path, "--fail-unsafe-pickle", env=CLEAN)
+    assert r.exit_code == 1
+    warning, error = r.stderr.splitlines()
+    assert "run\\nfake\\x07.system" in warning, warning
+    assert error.startswith("clipcli: error: ") and "run\\nfake\\x07.system" in error, error
+    assert "\x07" not in r.stderr
+    assert not (tmp_path / SENTINEL).exists()
+
+
 REPORTERS = {
     "inspect": [],
     "global-norm": [],

@@ -7,6 +7,7 @@ The commands register on `app` in `cli_commands` and `cli_trust`; `cli.main` run
 
 import contextlib
 import copy
+import errno
 import importlib
 import importlib.util
 import os
@@ -111,6 +112,11 @@ def handled_errors(debug: bool, command: str, writes: bool = False) -> Iterator[
         status = stop_status()
         if status is not None:  # a stop's exception turned into another on its way (NumPy's import: an ImportError)
             _stopped(status)
+        # A failed gate decides the status; a report lost meanwhile is said too, unless nobody was to read it (a
+        # reader gone, `| head`; stdout closed on purpose, `>&-`).
+        lost = [r for r in _lost_reports if getattr(r.__cause__, "errno", None) not in (None, errno.EBADF)]
+        if lost and getattr(e, "status", None) == ExitStatus.CHECK_FAILED:
+            typer.echo(f"clipcli: warning: {printable(str(lost[0]))}", err=True)
         _failed(e, debug)
     finally:
         opts.UNSAFE_PICKLE_GATE.clear()

@@ -196,6 +196,21 @@ def test_a_full_stdout_is_exit_4(grads):
     assert one_error_line(done.stderr).endswith("cannot write the report: No space left on device\n")
 
 
+def test_a_failed_gate_with_a_full_stdout_says_the_report_was_lost(grads):
+    # review 28: `global-norm F --fail-above X > /dev/full` exited 1 with the gate's line alone: nothing said that
+    # the report was lost (`| head` and `>&-` stay one line: test_a_closed_stdout_is_exit_4_not_an_internal_error)
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with open("/dev/full", "w") as full:
+        command = [sys.executable, "-m", "clipcli", "global-norm", str(grads), "--fail-above", "100"]
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "clipcli: warning: standard output: cannot write the report: No space left on device",
+        f"clipcli: error: {grads}: global norm 145.37555051140208 exceeds --fail-above 100",
+    ]
+
+
 def test_a_report_that_cannot_be_written_to_stdout_is_exit_4():
     # found by a fresh user (second review): a report that stdout (/dev/full) could not take exited 120, not 4
     with open("/dev/full", "w") as full:

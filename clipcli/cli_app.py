@@ -179,8 +179,12 @@ def _failed(e: Exception, debug: bool) -> NoReturn:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(ExitStatus.OK) from None
-    if debug or type(e).__module__.split(".")[0] in ("typer", "click"):
+    if type(e).__module__.split(".")[0] in ("typer", "click"):
         raise  # Typer's own exits and usage errors
+    if debug:  # the traceback, then the same line and status as without --debug
+        import traceback
+
+        traceback.print_exception(e)
     if isinstance(e, ClipcliError):
         if e.status == ExitStatus.USAGE and getattr(e, "param", None):
             raise typer.BadParameter(str(e), param_hint=e.param) from None

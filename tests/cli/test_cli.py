@@ -968,8 +968,18 @@ def test_internal_errors_exit_70_with_one_line(grads, monkeypatch):
     assert result.stderr.count("\n") == 1
     assert result.stderr.startswith("clipcli: error: internal error (ZeroDivisionError: division by zero second line);")
     assert "Traceback" not in result.output
-    with pytest.raises(ZeroDivisionError):
-        run("global-norm", grads, "--debug")
+    result = run("global-norm", grads, "--debug")  # the traceback, then the same line and status
+    assert result.exit_code == 70
+    assert "Traceback" in result.stderr and "ZeroDivisionError: division by zero" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("clipcli: error: internal error (ZeroDivisionError:")
+
+
+def test_debug_keeps_the_exit_status(tmp_path):
+    # review 28: with --debug every error exited 1 (Python's status for an exception), where the table says 3
+    result = run("inspect", tmp_path / "missing.pt", "--debug")
+    assert result.exit_code == 3
+    assert "Traceback" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"clipcli: error: {tmp_path / 'missing.pt'}: ")
 
 
 def test_interrupt_exits_130(grads, monkeypatch):

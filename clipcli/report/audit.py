@@ -30,6 +30,10 @@ class PickleAudit:
             return f"pickle (object arrays, which only {self.loader} unpickles): calls beyond NumPy's own: {calls}"
         if self.fields["loads_with_weights_only"]:  # then it calls nothing beyond the allowlist
             return "pickle: loads with torch.load(weights_only=True): yes"
+        if not self.unsafe:  # refused for what it names or its kind (TorchScript, DCP's own classes), not calls
+            return (
+                "pickle: loads with torch.load(weights_only=True): no; unsafe calls: none (its globals: --format json)"
+            )
         return f"pickle: loads with torch.load(weights_only=True): no; calls outside the allowlist: {calls}"
 
 

@@ -176,6 +176,19 @@ def test_names_from_the_file_are_escaped_in_the_table_line(tmp_path: Path) -> No
     assert not (tmp_path / SENTINEL).exists()
 
 
+def test_a_file_refused_for_a_reference_alone_says_no_unsafe_call(tmp_path: Path) -> None:
+    """review 28: a file that only names os.system (no call) was "no; calls outside the allowlist: none"."""
+    path = torch_file(tmp_path / "ref.pt", state_dict({"f": b"cos\nsystem\n"}), legacy=False)
+    text = run("global-norm", path, env=CLEAN).stdout
+    line = next(line for line in text.split("\n") if line.startswith("pickle: "))
+    assert (
+        line == "pickle: loads with torch.load(weights_only=True): no; unsafe calls: none (its globals: --format json)"
+    )
+    audit = report("global-norm", path)["checkpoints"][0]["pickle"]
+    assert audit["loads_with_weights_only"] is False
+    assert {"name": "os.system", "use": "name", "count": 1} in audit["globals"]
+
+
 def test_the_gate_line_escapes_a_name_as_the_warning_does(tmp_path: Path) -> None:
     """review 28: a global's name with a newline was escaped in the warning (`\\n`) but flattened to a space in
     the --fail-unsafe-pickle error line; both show it escaped, the same way."""

@@ -301,19 +301,22 @@ def distcp_pickles(directory: Path) -> list[bytes]:
 
 
 def dcp_checkpoint(
-    directory: Path, tensors: dict[str, tuple[tuple[int, ...], list]], items: dict[tuple[str, ...], Any] | None = None
+    directory: Path,
+    tensors: dict[str, tuple[tuple[int, ...], list]],
+    items: dict[tuple[str, ...], Any] | None = None,
+    file: str = "__0_0.distcp",
 ) -> Path:
     """A distributed checkpoint in one `.distcp` file: per tensor its global shape and chunks, each
     (offsets, values) or (offsets, values, (sizes, strides)): a chunk saved as a view of `values`' bytes;
     and non-tensor items, each object saved once under the names that key it. Equal torch.save files are
-    written once, every entry that holds one pointing at it."""
+    written once, every entry that holds one pointing at it. `file` names the `.distcp` file."""
     directory.mkdir(parents=True, exist_ok=True)
     blob = bytearray()
     written: dict[bytes, tuple[str, int, int]] = {}
 
     def place(data: bytes) -> tuple[str, int, int]:
         if data not in written:
-            written[data] = ("__0_0.distcp", len(blob), len(data))
+            written[data] = (file, len(blob), len(data))
             blob.extend(data)
         return written[data]
 
@@ -332,7 +335,7 @@ def dcp_checkpoint(
             storage[(name, tuple(offsets))] = place(data)
             boxes.append((tuple(offsets), tuple(sizes)))
         listed[name] = (chunks[0][1].dtype.name, tuple(shape), boxes)
-    (directory / "__0_0.distcp").write_bytes(bytes(blob))
+    (directory / file).write_bytes(bytes(blob))
     (directory / ".metadata").write_bytes(dcp_metadata(listed, storage))
     return directory
 

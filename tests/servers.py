@@ -26,7 +26,10 @@ class RangeServer(ThreadingHTTPServer):
     `fail` holds the failures to come, one per GET that matches: `"503"` (an error answer), `"cut"` (the
     connection closed half-way through the body) or `"stall"` (half the body, then nothing more until the client
     hangs up). `connections` counts the connections accepted. `routes` adds answers of its own (`path -> (status,
-    headers, body)`) for the Hub's API.
+    headers, body)`) for the Hub's API. `directories` says how a directory's own URL (`/d` or `/d/`, where files
+    `d/...` are served) is answered: `"404"`; `"403"` (nginx's and Apache's default without an index page);
+    `"redirect"` (`/d` → 301 to `/d/`, which is 403, as they do); `"html"` (a listing, honouring Range);
+    `"html-whole"` (a listing that ignores Range).
     """
 
     daemon_threads = True
@@ -39,6 +42,7 @@ class RangeServer(ThreadingHTTPServer):
         self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
         self.sent = 0
         self.ignore_range = False  # answer every GET with the whole file, as a server without Range support does
+        self.directories = "404"
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.connections = 0
         self.lock = threading.Lock()
@@ -99,6 +103,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(status, {**headers, "Content-Length": str(len(data))}, data if body else b"")
             return
         file = self.server.files.get(path.lstrip("/"))
+        if file is None and self.server.directories != "404" and self._directory(path, body):
+            return
         if file is None:  # the Hub says which kind of 404 it is
             headers = {"X-Error-Code": "RepoNotFound"} if path.startswith("/api/models/") else {}
             self._send(404, {**headers, "Content-Length": "9"}, b"not found" if body else b"")
@@ -124,6 +130,29 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, {"Content-Length": str(size), "Accept-Ranges": "bytes"}, b"")
             return
         self._send_file(status, file, start, end, size)
+
+    def _directory(self, path: str, body: bool) -> bool:
+        """Answers a directory's own URL as `directories` says; False where `path` is no directory."""
+        inside = path.strip("/") + "/"
+        if not any(name.startswith(inside) for name in self.server.files):
+            return False
+        how = self.server.directories
+        if how == "403" or (how == "redirect" and path.endswith("/")):
+            self._send(403, {"Content-Length": "9"}, b"forbidden" if body else b"")
+        elif how == "redirect":
+            self._send(301, {"Location": f"{path}/", "Content-Length": "0"}, b"")
+        else:
+            page = f"<!DOCTYPE html><html><body><h1>Index of {path}</h1></body></html>\n".encode()
+            match = _RANGE.match(self.headers.get("Range") or "")
+            headers = {"Content-Type": "text/html", "Content-Length": str(len(page))}
+            status = 200
+            if how == "html" and match and body:
+                first, last = int(match.group(1) or 0), min(len(page) - 1, int(match.group(2) or len(page) - 1))
+                page, status = page[first : last + 1], 206
+                headers.update({"Content-Range": f"bytes {first}-{last}/{headers['Content-Length']}"})
+                headers["Content-Length"] = str(len(page))
+            self._send(status, headers, page if body else b"")
+        return True
 
     def _send(self, status: int, headers: dict[str, str], data: bytes) -> None:
         self.send_response(status)

@@ -385,11 +385,11 @@ def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[
     if os.fspath(path) == "-":
         raise FileTypeError("clipcli reads checkpoints from files, not from standard input; save it to a file", path)
     store = LocalStore() if store is None else store
+    typed = getattr(store, "typed", None)  # a URL as typed: `.../ckpt/` keeps its `/` in messages
+    named = typed if typed is not None and Path(typed) == path else path
     try:
-        kind = store.kind(path)
         unlisted = not getattr(store, "lists", True) and registry.named_by(path.name) is None  # a directory?
-        if kind is None and unlisted:
-            path, kind = _marked_directory(path, store)
+        path, kind = _unlisted(path, store) if unlisted else (path, store.kind(path))
         if kind is None:
             if not unlisted:
                 raise MissingFileError("no such file or directory", path)
@@ -397,7 +397,7 @@ def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[
             raise MissingFileError(
                 f"no such file, and no directory holding {markers}: plain HTTP cannot list a directory; name a "
                 "file, a sharded index, or a directory holding one of those",
-                path,
+                named,
             )
         if kind == "other":
             raise FileTypeError(
@@ -406,11 +406,35 @@ def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[
             )
         return action(path, store)
     except ClipcliError as e:
-        if e.path is None:
-            e.path = str(path)
+        if e.path is None or (e.path == str(path) and path == Path(named)):
+            e.path = str(named)
         raise
     except OSError as e:
-        raise InputError(f"cannot read: {e.strerror or e}", e.filename or path) from e
+        raise InputError(f"cannot read: {e.strerror or e}", e.filename or named) from e
+
+
+def _unlisted(path: Path, store: Store) -> tuple[Path, str | None]:
+    """What to read for a path with no suffix clipcli knows in a store that cannot list (plain HTTP), and its
+    kind: the path when it answers with a checkpoint, else the directory a marker shows (`_marked_directory`),
+    else the path as it is. A web server answers a directory's URL with 404, 403, a redirect to the same path
+    with a `/` (then 403), or an HTML listing (which may ignore `Range`): none of those is a checkpoint.
+
+    Raises:
+        OSError: the path's own error (a 403, Range ignored) where no marked directory is there either.
+    """
+    try:
+        kind = store.kind(path)
+        if kind is not None and (kind != "file" or registry.file_format(path, store) is not None):
+            return path, kind
+    except FileNotFoundError:
+        kind = None
+    except OSError:
+        marked = _marked_directory(path, store)
+        if marked[1] is None:
+            raise
+        return marked
+    marked = _marked_directory(path, store)
+    return (path, kind) if marked[1] is None else marked
 
 
 def _marked_directory(path: Path, store: Store) -> tuple[Path, str | None]:

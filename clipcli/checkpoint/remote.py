@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import quote
 
 from clipcli.checkpoint.httpfs import ShortReadError
 from clipcli.checkpoint.source import Source, SourceFile
@@ -75,6 +76,7 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
 
         store = RemoteStore(HttpFileSystem(), protocol, slashes)
         store.lists = False
+        store.typed = url
         return store, Path(url)
     try:
         import fsspec
@@ -265,6 +267,7 @@ class RemoteStore:
 
     forkable = False  # an fsspec event loop does not survive a fork: the engine's workers are threads here
     lists = True  # whether `list` lists a directory (plain HTTP cannot: a directory shows by a file in it)
+    typed: str | None = None  # plain HTTP's URL as typed: names below it, from files, are percent-encoded
 
     def __init__(self, fs: Any, protocol: str, slashes: int = 2, read_options: dict[str, Any] | None = None):
         self.fs = fs
@@ -276,12 +279,29 @@ class RemoteStore:
         self._lock = threading.Lock()
 
     def url(self, path: Path | str) -> str:
-        """The URL of a path inside clipcli (`https:/host/a` → `https://host/a`); a URL stays as it is."""
+        """The URL of a path inside clipcli (`https:/host/a` → `https://host/a`); a URL stays as it is.
+
+        Over plain HTTP the URL typed is sent as typed, and a name below it or beside it (a shard of an index, a
+        `.distcp` file, a marker) is percent-encoded whole: it came from a file, and is never a query or fragment.
+        """
         text = os.fspath(path)
+        if self.typed is not None and not _URL.match(text):  # a path inside clipcli, not a URL already
+            text = self._encoded(Path(text))
         head = f"{self.protocol}:/"
         if text.lower().startswith(head) and not text[len(head) :].startswith("/"):
             return f"{text[: len(head) - 1]}{'/' * self._slashes}{text[len(head) :]}"
         return text
+
+    def _encoded(self, path: Path) -> str:
+        """`path` with the part below the URL typed (or its directory) percent-encoded (`typed` is set)."""
+        typed = Path(self.typed)  # type: ignore[arg-type]
+        if path == typed:
+            return self.url(self.typed)  # type: ignore[arg-type]
+        for base in (typed, typed.parent):
+            if base in path.parents:
+                below = quote(path.relative_to(base).as_posix(), safe="/")
+                return f"{self.url(os.fspath(base)).rstrip('/')}/{below}"
+        return os.fspath(path)
 
     def _path(self, name: str) -> Path:
         """The path inside clipcli of a name that the file system lists (with or without its protocol)."""

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from safetensors.numpy import save_file
 from clipcli.checkpoint import httpfs, open_checkpoint
 from clipcli.checkpoint import remote as _remote
 from clipcli.errors import ExitStatus, InputError, MissingFileError, UsageError
-from tests.helpers import DATA, SAMPLES
+from tests.helpers import DATA, SAMPLES, dcp_checkpoint
 from tests.servers import range_server
 
 
@@ -267,3 +268,41 @@ def test_the_url_of_a_path_inside_clipcli(tmp_path):
     assert store.url(path) == "https://host:8080/a/b/m.safetensors"
     assert store.url(path.parent / "x.safetensors") == "https://host:8080/a/b/x.safetensors"
     assert json.dumps(str(path)) == '"https:/host:8080/a/b/m.safetensors"'
+
+
+# issue 26: names from an index or a `.metadata` were joined to the URL unencoded: `a b#1.safetensors` was asked as
+# `/shsp/a%20b` (`#` taken for a fragment), `c%20d?.safetensors` as `/shsp/c%20d?.safetensors` (`?` for a query)
+NAMES = ["a b#1.safetensors", "c%20d?.safetensors", "e%.safetensors"]
+
+
+def test_shard_names_from_an_index_are_percent_encoded_in_the_url(tmp_path):
+    local = tmp_path / "shsp"
+    local.mkdir()
+    weight_map = {}
+    for i, name in enumerate(NAMES):
+        save_file({f"t{i}": np.arange(5 + i, dtype=np.float32) * (i + 1)}, str(local / name))
+        weight_map[f"t{i}"] = name
+    (local / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    files = {f"shsp/{quote(p.name)}": p for p in local.iterdir()}
+    with open_checkpoint(local / "model.safetensors.index.json") as ckpt:
+        expected = contents(ckpt)
+    for typed in ("shsp/model.safetensors.index.json", "shsp", "shsp/"):
+        with range_server(files) as server, open_checkpoint(f"{server.url}/{typed}") as ckpt:
+            assert contents(ckpt) == expected
+            asked = {path for _, path, _ in server.requests}
+        assert {f"/shsp/{quote(name)}" for name in NAMES} <= asked
+        assert {path for path in asked if path.lstrip("/") not in files} <= {"/shsp", "/shsp/", "/shsp/.metadata"}
+
+
+def test_distcp_names_from_a_metadata_are_percent_encoded_in_the_url(tmp_path):
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for name in ("a b#?%.distcp", "__0_0.distcp"):
+        local = dcp_checkpoint(tmp_path / name, {"w": ((3, 4), [((0, 0), values)])}, file=name)
+        with open_checkpoint(local) as ckpt:
+            expected = contents(ckpt)
+        files = {f"d%25x/{quote(p.name)}": p for p in local.iterdir()}
+        with range_server(files) as server, open_checkpoint(f"{server.url}/d%25x/") as ckpt:
+            assert contents(ckpt) == expected
+            asked = {path for _, path, _ in server.requests}
+        assert f"/d%25x/{quote(name)}" in asked
+        assert {path for path in asked if path.lstrip("/") not in files} == {"/d%25x/"}  # the directory itself

@@ -420,12 +420,43 @@ def test_a_directory_over_plain_http_is_read_through_the_file_that_marks_its_for
         assert all(method in ("HEAD", "GET") for method, _, _ in server.requests)
 
 
+# issue 26: a web server's usual answers to a directory's URL (403; a redirect to `.../` then 403; an HTML listing,
+# with or without Range) were taken for the checkpoint's ("cannot read: HTTP 403 Forbidden", "the file is an HTML
+# page"), and its markers never asked for; the messages dropped the `/` typed
+@pytest.mark.parametrize("directories", ["403", "redirect", "html", "html-whole"])
+@pytest.mark.parametrize(("name", "local"), [("dcp", DATA / "dcp" / "sharded"), ("sharded/", SAMPLES / "sharded")])
+def test_a_directory_is_read_through_its_marker_whatever_the_server_answers_for_it(directories, name, local):
+    files = {f"dcp/{p.name}": p for p in (DATA / "dcp" / "sharded").iterdir()}
+    files.update({f"sharded/{p.name}": p for p in (SAMPLES / "sharded").iterdir()})
+    with range_server(files) as server:
+        server.directories = directories
+        remote = as_json("global-norm", f"{server.url}/{name}")
+        assert without_paths(remote) == without_paths(as_json("global-norm", local))
+
+
+@pytest.mark.parametrize(
+    ("directories", "error"),
+    [
+        ("403", "cannot read: HTTP 403 Forbidden"),
+        ("html", "unknown checkpoint suffix"),
+        ("html-whole", "cannot read: the server does not honour range requests"),
+    ],
+)
+def test_a_directory_with_no_marker_keeps_its_own_error_and_the_url_as_typed(directories, error):
+    with range_server({"d/notes.txt": SAMPLES / "grads.safetensors"}) as server:
+        server.directories = directories
+        result = run("inspect", f"{server.url}/d/")
+    assert result.exit_code == 3
+    assert result.stderr.startswith(f"clipcli: error: {server.url}/d/: {error}")
+    assert result.stderr.count("\n") == 1
+
+
 def test_a_url_that_names_no_file_and_no_marked_directory_says_what_to_name():
     with range_server({}) as server:
         result = run("inspect", f"{server.url}/nothing/")
     assert result.exit_code == 3
     assert result.stderr == (
-        f"clipcli: error: {server.url}/nothing: no such file, and no directory holding .metadata, "
+        f"clipcli: error: {server.url}/nothing/: no such file, and no directory holding .metadata, "
         "model.safetensors.index.json, pytorch_model.bin.index.json: plain HTTP cannot list a directory; name a "
         "file, a sharded index, or a directory holding one of those\n"
     )

@@ -401,6 +401,23 @@ def test_torch_size_keys_and_tuples_in_sets_are_written_back_as_such():
     }
 
 
+def test_a_set_of_dtypes_or_devices_is_written_in_the_same_order_whatever_their_addresses():
+    # gh-24 (review): set members were ordered by repr(), which for a dtype or a device is its address
+    import copy
+
+    from clipcli.checkpoint.formats._torch_records import resolve
+
+    dtypes = [resolve("torch", n) for n in ("float32", "int64", "bfloat16", "float16", "int8", "bool", "uint8")]
+    devices = [resolve("torch", "device").func("cuda", i) for i in range(7)]
+
+    def pickled(members: list) -> bytes:
+        copies = [copy.copy(m) for m in members]  # new objects: new addresses, in this order
+        return _torch_pickler.Pickler().dump(torch_write._rebuild({"s": set(copies)}, "x", [], _EveryName()))  # type: ignore[arg-type]
+
+    for members in (dtypes, devices, [*dtypes, *devices, (1, dtypes[0]), "torch.float32"]):
+        assert pickled(members) == pickled(members[::-1])
+
+
 def test_torch_reads_back_torch_size_keys_and_tuples_in_sets(tmp_path):
     # gh-24 (review): the files of the report, made by real torch; with --drop-metadata the tensors alone
     if _torch_python() is None:

@@ -59,9 +59,6 @@ class _Size:
     def __init__(self, dims: tuple[int, ...]):
         self.dims = dims
 
-    def __repr__(self) -> str:  # the order of a set's members when written (never an address)
-        return f"torch.Size({self.dims!r})"
-
 
 class _Parameter:
     """An nn.Parameter as the writer reads it (the names see its tensor): written back as a Parameter."""
@@ -222,7 +219,7 @@ def _plain(value: Any, name: str) -> Any:
     if t is bytes:
         return Call("_codecs", "encode", (value.decode("latin-1"), "latin1"))
     if t is set:
-        return Call("builtins", "set", ([_plain_key(v, name) for v in sorted(value, key=repr)],))
+        return Call("builtins", "set", ([_plain_key(v, name) for v in sorted(value, key=_order)],))
     if isinstance(value, Device):
         return Call("torch", "device", (value.text,))
     if isinstance(value, Named) and value.dtype is not None and value.name.startswith("torch."):
@@ -249,6 +246,13 @@ def _plain_key(key: Any, name: str) -> Any:
     if type(key) is _Size:
         return Call("torch", "Size", (key.dims,))
     return _plain(key, name)
+
+
+def _order(member: Any) -> tuple[str, str]:
+    """Where a set's member is written: by its kind and text as the reader renders it (never an address)."""
+    from clipcli.checkpoint.formats._torch_names import _key_text
+
+    return type(member).__name__, _key_text(_as_read(member))
 
 
 def _as_read(key: Any) -> Any:

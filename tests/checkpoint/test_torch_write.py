@@ -369,6 +369,85 @@ def test_a_frozenset_is_refused_naming_why():  # torch.load(weights_only=True) r
         torch_write._plain(frozenset({1}), "fs")
 
 
+def _as_built(value: object) -> object:
+    """A value clipcli's pickle machine built with torch_write's resolver, each torch.Size as ("Size", dims)."""
+    if type(value) is torch_write._Size:
+        return ("Size", value.dims)
+    if type(value) is tuple:
+        return tuple(_as_built(v) for v in value)
+    if type(value) is set:
+        return {_as_built(v) for v in value}
+    if isinstance(value, dict):
+        return {_as_built(k): _as_built(v) for k, v in value.items()}
+    return value
+
+
+def test_torch_size_keys_and_tuples_in_sets_are_written_back_as_such():
+    # gh-24 (review): a torch.Size dict key was refused as "a _Size where a key or value belongs" (no file named,
+    # even with --drop-metadata), and a set holding a tuple or a torch.Size as "a tuple, which clipcli does not write"
+    from clipcli.checkpoint.formats._pickle import unpickle
+
+    def value() -> dict:
+        size = torch_write._Size
+        return {"sz": {size((2,)): 1}, "k": {(1, size((3,))): "a"}, "s": {(1, 2)}, "t": {size((2,)), (2,), size(())}}
+
+    data = _torch_pickler.Pickler().dump(torch_write._rebuild(value(), "x", [], _EveryName()))  # type: ignore[arg-type]
+    assert data == _torch_pickler.Pickler().dump(torch_write._rebuild(value(), "x", [], _EveryName()))  # type: ignore[arg-type]
+    assert _as_built(unpickle(data, torch_write._keeping)) == {
+        "sz": {("Size", (2,)): 1},
+        "k": {(1, ("Size", (3,))): "a"},
+        "s": {(1, 2)},
+        "t": {("Size", (2,)), (2,), ("Size", ())},
+    }
+
+
+def test_a_set_of_dtypes_or_devices_is_written_in_the_same_order_whatever_their_addresses():
+    # gh-24 (review): set members were ordered by repr(), which for a dtype or a device is its address
+    import copy
+
+    from clipcli.checkpoint.formats._torch_records import resolve
+
+    dtypes = [resolve("torch", n) for n in ("float32", "int64", "bfloat16", "float16", "int8", "bool", "uint8")]
+    devices = [resolve("torch", "device").func("cuda", i) for i in range(7)]
+
+    def pickled(members: list) -> bytes:
+        copies = [copy.copy(m) for m in members]  # new objects: new addresses, in this order
+        return _torch_pickler.Pickler().dump(torch_write._rebuild({"s": set(copies)}, "x", [], _EveryName()))  # type: ignore[arg-type]
+
+    for members in (dtypes, devices, [*dtypes, *devices, (1, dtypes[0]), "torch.float32"]):
+        assert pickled(members) == pickled(members[::-1])
+
+
+def test_torch_reads_back_torch_size_keys_and_tuples_in_sets(tmp_path):
+    # gh-24 (review): the files of the report, made by real torch; with --drop-metadata the tensors alone
+    if _torch_python() is None:
+        pytest.skip("torch is not importable")
+    script = """
+import sys, torch
+torch.save({"w": torch.ones(1), "sz": {torch.Size([2]): 1}}, sys.argv[1] + "/keysz.pt")
+torch.save({"w": torch.ones(1), "k": {(1, torch.Size([3])): "a", (2, (4, 5)): "b"}}, sys.argv[1] + "/keytuple.pt")
+torch.save({"w": torch.ones(1), "s": {(1, 2)}}, sys.argv[1] + "/settuple.pt")
+torch.save({"w": torch.ones(1), "t": {torch.Size([2]), (2,)}}, sys.argv[1] + "/setsize.pt")
+"""
+    done = subprocess.run([_torch_python(), "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    typed = """
+def typed(x):
+    if isinstance(x, torch.Tensor): return ("T", x.tolist())
+    if isinstance(x, dict): return sorted((typed(k), typed(v)) for k, v in x.items())
+    if isinstance(x, set): return ("set", sorted(typed(v) for v in x))
+    if isinstance(x, tuple): return (type(x).__name__, [typed(v) for v in x])
+    return repr(x)
+print(repr(typed(o)))
+"""
+    for name in ("keysz", "keytuple", "settuple", "setsize"):
+        path = tmp_path / f"{name}.pt"
+        ok("convert", path, "-o", tmp_path / f"out_{name}.pt")
+        assert _torch_script(tmp_path / f"out_{name}.pt", typed) == _torch_script(path, typed), name
+        ok("convert", path, "-o", tmp_path / f"drop_{name}.pt", "--drop-metadata")
+        assert "('T', [1.0])" in _torch_script(tmp_path / f"drop_{name}.pt", typed)
+
+
 SCRIPTS = sorted(p for p in (TORCH_DATA / "script").iterdir() if p.suffix in (".pt", ".jit", ".ptl"))
 
 

@@ -155,7 +155,7 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
         if children is not None and (children or depth == 0):
             kept, gap = [], None
             for key, value in children:
-                part = key if type(key) is str else _key_text(key)
+                part = key if type(key) is str else _key_text(_as_read(key))
                 item = walk(value, part if name is None else f"{name}.{part}", depth + 1)
                 if item is _SKIP:
                     gap = gap or (part if name is None else f"{name}.{part}")
@@ -219,7 +219,7 @@ def _plain(value: Any, name: str) -> Any:
     if t is bytes:
         return Call("_codecs", "encode", (value.decode("latin-1"), "latin1"))
     if t is set:
-        return Call("builtins", "set", ([_plain(v, name) for v in sorted(value, key=repr)],))
+        return Call("builtins", "set", ([_plain_key(v, name) for v in sorted(value, key=_order)],))
     if isinstance(value, Device):
         return Call("torch", "device", (value.text,))
     if isinstance(value, Named) and value.dtype is not None and value.name.startswith("torch."):
@@ -240,9 +240,28 @@ def _plain(value: Any, name: str) -> Any:
 
 
 def _plain_key(key: Any, name: str) -> Any:
+    """A dict key or set member as a .pt output holds it: a plain leaf, or a tuple or torch.Size of them."""
     if type(key) is tuple:
         return tuple(_plain_key(k, name) for k in key)
+    if type(key) is _Size:
+        return Call("torch", "Size", (key.dims,))
     return _plain(key, name)
+
+
+def _order(member: Any) -> tuple[str, str]:
+    """Where a set's member is written: by its kind and text as the reader renders it (never an address)."""
+    from clipcli.checkpoint.formats._torch_names import _key_text
+
+    return type(member).__name__, _key_text(_as_read(member))
+
+
+def _as_read(key: Any) -> Any:
+    """A dict key as the reader names it: each torch.Size in it a tuple."""
+    if type(key) is _Size:
+        return key.dims
+    if type(key) in (tuple, frozenset):
+        return type(key)(_as_read(k) for k in key)
+    return key
 
 
 # -- the format's entry points ----------------------------------------------------------------------

@@ -41,6 +41,12 @@ class ShortReadError(OSError):
     """A response body shorter than the range asked for, before the end of the file."""
 
 
+def _count(text: str) -> int | None:
+    """A number a server sent (a status, a length): ASCII digits, fewer than 19 (str.isdigit also takes
+    '²', which int() refuses, and a number of thousands of digits is past what int() converts); else None."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
+
+
 class _Answer(NamedTuple):
     status: int
     reason: str
@@ -90,22 +96,21 @@ class _Connection:
             lines = head.decode("latin-1").split("\r\n")
             version, _, rest = lines[0].partition(" ")
             code, _, reason = rest.partition(" ")
-            if not version.startswith("HTTP/1.") or not code.isdigit():
+            status = _count(code) if len(code) == 3 else None
+            if not version.startswith("HTTP/1.") or status is None:
                 raise ConnectionError(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
-            status = int(code)
             if 100 <= status < 200:
                 continue
             fields = {}
             for line in lines[1:]:
                 name, _, value = line.partition(":")
                 fields[name.strip().lower()] = value.strip()
-            length = fields.get("content-length", "")
             if method == "HEAD" or status in (204, 304):
                 size: int | None = 0
-            elif "chunked" in fields.get("transfer-encoding", "").lower() or not length.isdigit():
+            elif "chunked" in fields.get("transfer-encoding", "").lower():
                 size = None
             else:
-                size = int(length)
+                size = _count(fields.get("content-length", ""))
             connection = fields.get("connection", "").lower()
             keep = "close" not in connection and (version != "HTTP/1.0" or "keep-alive" in connection)
             return _Answer(status, reason.strip(), fields, size, keep)
@@ -191,9 +196,8 @@ class HttpFileSystem:
         if size is None or answer.field("Content-Encoding"):
             answer, key, connection = self._request("GET", url, {"Range": "bytes=0-0"})
             self._finish(answer, key, connection, url)
-            whole = (answer.field("Content-Range") or "").rpartition("/")[2]
-            size = whole if whole.isdigit() else None
-        return {"name": url, "type": "file", "size": None if size is None or not size.isdigit() else int(size)}
+            size = (answer.field("Content-Range") or "").rpartition("/")[2]
+        return {"name": url, "type": "file", "size": _count(size or "")}
 
     def cat_file(self, url: str, start: int, end: int) -> bytes:
         buf = bytearray(end - start)

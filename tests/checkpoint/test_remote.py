@@ -306,3 +306,31 @@ def test_distcp_names_from_a_metadata_are_percent_encoded_in_the_url(tmp_path):
             asked = {path for _, path, _ in server.requests}
         assert f"/d%25x/{quote(name)}" in asked
         assert {path for path in asked if path.lstrip("/") not in files} == {"/d%25x/"}  # the directory itself
+
+
+@pytest.mark.parametrize(
+    ("head", "length"),
+    [
+        (b"HTTP/1.1 2\xb206 Partial\r\nContent-Length: 4\r\n\r\n", "refused"),  # '²': str.isdigit, not int()
+        (b"HTTP/1.1 " + b"2" * 5000 + b" OK\r\nContent-Length: 4\r\n\r\n", "refused"),
+        (b"HTTP/1.1 206 Partial\r\nContent-Length: 1\xb2\r\n\r\n", None),
+        (b"HTTP/1.1 206 Partial\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", None),  # past int()'s digits
+        (b"HTTP/1.1 206 Partial\r\nContent-Length: 4\r\n\r\n", 4),
+    ],
+)
+def test_numbers_a_server_sends_are_ascii_digits_of_sane_length(head, length):
+    # review 28: a status or a Content-Length of '²' or of 5,000 digits raised ValueError in int() (exit 70)
+    import socket
+
+    from clipcli.checkpoint.httpfs import _Connection
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(head)
+        connection = _Connection("http", "127.0.0.1")
+        connection.sock = ours
+        if length == "refused":
+            with pytest.raises(ConnectionError, match="not an HTTP/1.x answer"):
+                connection.answer("GET")
+        else:
+            assert connection.answer("GET").length == length

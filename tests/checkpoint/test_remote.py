@@ -330,7 +330,7 @@ def test_numbers_a_server_sends_are_ascii_digits_of_sane_length(head, length):
         connection = _Connection("http", "127.0.0.1")
         connection.sock = ours
         if length == "refused":
-            with pytest.raises(ConnectionError, match="not an HTTP/1.x answer"):
+            with pytest.raises(ConnectionError, match=r"not an HTTP/1\.x answer"):
                 connection.answer("GET")
         else:
             assert connection.answer("GET").length == length

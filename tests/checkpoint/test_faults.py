@@ -300,14 +300,14 @@ def test_a_stop_whose_exception_is_swallowed_still_commits_nothing(files, tmp_pa
     code = (
         "import os, signal, sys\n"
         "from clipcli import _stops\n"
-        "real = os.fsync\n"
-        "def fsync(fd):\n"
+        "real = os.fchmod\n"
+        "def fchmod(fd, mode):  # on the way to the commit\n"
         "    try:\n"
         f"        _stops.stop(signal.{name})  # the signal's exception, raised where it is swallowed\n"
         "    except BaseException:\n"
         "        pass\n"
-        "    real(fd)\n"
-        "os.fsync = fsync\n"
+        "    real(fd, mode)\n"
+        "os.fchmod = fchmod\n"
         "from clipcli.cli import main\n"
         "main(sys.argv[1:])\n"
     )

@@ -13,6 +13,7 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 
 from clipcli._stops import commit_begins, defer_stops, raise_if_stopped
+from clipcli.checkpoint.copy import FileRange
 from clipcli.errors import WriteError
 
 # Every this many bytes written, the file asks the kernel to start writing them to the disk.
@@ -135,10 +136,14 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def write_data(f: BinaryIO, chunks: Iterable[np.ndarray | bytes | memoryview]) -> int:
-    """Writes chunks as their little-endian bytes; returns how many were written."""
+def write_data(f: BinaryIO, chunks: Iterable[np.ndarray | bytes | memoryview | FileRange]) -> int:
+    """Writes chunks as their little-endian bytes (a `FileRange`'s copied from its file); returns how many were
+    written."""
     written = 0
     for chunk in chunks:
+        if isinstance(chunk, FileRange):
+            written += chunk.copy_to(f)
+            continue
         data = memoryview(np.ascontiguousarray(chunk).view(np.uint8)) if isinstance(chunk, np.ndarray) else chunk
         f.write(data)
         written += data.nbytes

@@ -517,6 +517,19 @@ def test_a_chunk_must_be_one_tensor_of_its_shape_and_dtype(tmp_path: Path) -> No
             lambda sd, sto: b"\x80\x02" + dops(Call(G(META, "_MEM_FORMAT_ENCODING"), 7)) + b".",
             r"a torch\.distributed\.checkpoint\.metadata\._MEM_FORMAT_ENCODING that does not exist",
         ),
+        # a placeholder (a global beyond DCP's own) where a record belongs: the message names what stands there
+        (
+            lambda sd, sto: metadata_pickle({"w": Call(G("argparse", "Namespace"), ())}, sto),
+            r"tensor w: the item is a argparse\.Namespace object, not tensor or bytes metadata",
+        ),
+        (
+            lambda sd, sto: metadata_pickle(sd, {index("w", (0,)): Call(G("os", "system"), "x")}),
+            r"tensor w: storage_data holds a os\.system object, not a _StorageInfo",
+        ),
+        (
+            lambda sd, sto: metadata_pickle(Call(G("argparse", "Namespace"), ()), sto),
+            r"state_dict_metadata is a argparse\.Namespace object, not a dict",
+        ),
     ],
 )
 def test_hand_written_malformed_metadata(tmp_path: Path, edit: Any, message: str) -> None:

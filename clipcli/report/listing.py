@@ -35,12 +35,14 @@ class Listing:
         return f"{plural(s.tensors, 'tensor')}, {plural(s.elements, 'parameter')}{objects}, {size(s.nbytes)}"
 
     def _table(self, several: bool) -> list[str]:
+        rows = self.summary.tensors + self.summary.objects
+        if not rows:  # a header over no rows reads as a listing that went wrong
+            return ["it holds no tensors"]
         headers = ["tensor", "dtype", "shape", "elements", "size"] + (["file"] if several else [])
         cells = (
             [t.name, t.dtype, shape_text(t.shape), f"{t.elements:,}", size(t.nbytes)] + ([t.file] if several else [])
             for t in self.tensors
         )
-        rows = self.summary.tensors + self.summary.objects
         return showing(len(self.tensors), rows, "tensor") + table(headers, cells, right=(3, 4))
 
     def _tensors_json(self) -> list[dict[str, Any]]:

@@ -64,11 +64,12 @@ def _pickle_lines(audit: PickleAudit | None, fmt: str | None) -> list[str]:
     if audit is None:
         return []
     fields = audit.fields
+    named = "globals:" if fields["globals"] else "it names no globals"
     if fmt in ("npz", "npy"):  # object arrays: NumPy's loader, not torch's, would unpickle them
-        lines = ["  pickle (object arrays, which only np.load(allow_pickle=True) unpickles); globals:"]
+        lines = [f"  pickle (object arrays, which only np.load(allow_pickle=True) unpickles); {named}"]
     else:
         verdict = "loads" if fields["loads_with_weights_only"] else "does not load"
-        lines = [f"  pickle: torch.load(weights_only=True) {verdict}; globals:"]
+        lines = [f"  pickle: torch.load(weights_only=True) {verdict}; {named}"]
     return lines + [f"    {g['name']} ({g['use']} x{g['count']})" for g in fields["globals"]]
 
 

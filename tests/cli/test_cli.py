@@ -371,6 +371,8 @@ def test_inspect_of_a_checkpoint_without_tensors_says_so(tmp_path):
         assert lines[-1] == "it holds no tensors" and not any(line.startswith("tensor ") for line in lines), lines
         (c,) = js("inspect", path)["checkpoints"]
         assert c["tensors"] == [] and c["tensor_count"] == 0
+    # a pickle that names no global says so (was "...; globals:" over nothing)
+    assert "  pickle: torch.load(weights_only=True) loads; it names no globals" in ok("inspect", only_metadata).stdout
     both = ok("inspect", only_metadata, SAMPLES / "grads.safetensors").stdout.splitlines()
     assert both.count("it holds no tensors") == 1 and any(line.split()[:2] == ["tensor", "dtype"] for line in both)
 

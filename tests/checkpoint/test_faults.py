@@ -253,24 +253,29 @@ def test_sigkill_leaves_old_bytes_or_a_complete_file(big, tmp_path):
 )
 def test_sigint_and_sigterm_exit_and_remove_the_temporary_file(big, tmp_path, sig, status, line):
     out = tmp_path / "out.safetensors"
-    out.write_bytes(b"old")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clipcli", "clip-global-norm", str(big), "-o", str(out), "--clip-norm", "1", "--quiet"],
-        env=ENV,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)  # wait until the write has started
-    assert proc.poll() is None, "the clip finished before it could be interrupted"
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == -sig  # ends by the signal (issue 22 item 16): a shell sees 128 + sig = `status`
-    assert 128 + sig == status
-    assert stderr == line
-    assert out.read_bytes() == b"old"
-    assert leftovers(tmp_path) == []
+    for _ in range(5):  # on a loaded machine the clip may reach its commit before the signal: then again
+        out.write_bytes(b"old")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clipcli", "clip-global-norm", big, "-o", out, "--clip-norm", "1", "--quiet"],
+            env=ENV,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)  # wait until the write has started
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+        if proc.returncode == 0:  # committed before the signal came: dropped, the write complete
+            assert stderr == "" and out.read_bytes() != b"old" and leftovers(tmp_path) == []
+            continue
+        assert proc.returncode == -sig  # ends by the signal (issue 22 item 16): a shell sees 128 + sig = `status`
+        assert 128 + sig == status
+        assert stderr == line
+        assert out.read_bytes() == b"old"
+        assert leftovers(tmp_path) == []
+        return
+    pytest.fail("the clip finished before it could be interrupted, five times")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

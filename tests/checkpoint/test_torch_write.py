@@ -362,6 +362,23 @@ def test_a_checkpoint_of_metadata_alone_says_what_to_do_instead_of_a_pt(tmp_path
     assert clip.exit_code == 2 and "it holds no tensor" in clip.output
 
 
+@pytest.mark.parametrize("empty", [[], (), {}])
+def test_an_empty_torch_file_is_refused_as_a_pt_not_written_as_another_type(tmp_path, empty):
+    # found by a new user: torch.save([]) converted to .pt came back from torch.load as OrderedDict(), exit 0
+    from tests.helpers import torch_zip
+
+    path = tmp_path / "empty.pt"
+    path.write_bytes(torch_zip(empty, {}))
+    assert js("inspect", path)["checkpoints"][0]["tensors"] == []
+    result = run("convert", path, "-o", tmp_path / "out.pt")
+    assert result.exit_code == 3 and not (tmp_path / "out.pt").exists()
+    assert result.stderr == (
+        f"clipcli: error: {tmp_path / 'out.pt'}: the torch checkpoint holds no tensor (an empty container), and "
+        "clipcli writes to a .pt only around the tensors it holds; copy the file to keep it as it is, or write "
+        ".safetensors (its header keeps each entry as a string)\n"
+    )
+
+
 def test_a_frozenset_is_refused_naming_why():  # torch.load(weights_only=True) refuses builtins.frozenset
     from clipcli.errors import UnsupportedError
 

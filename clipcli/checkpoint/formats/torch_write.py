@@ -448,12 +448,17 @@ def check_file(
         kept = [key for key in metadata if key not in _layout_keys(tensors)]
         n = len(kept)
         keys = ", ".join(kept[:5]) + (", ..." if n > 5 else "")
-        if kept and not tensors:  # the structure of a PyTorch source is found through its tensors' file
+        # the structure of a PyTorch source is found through its tensors' file: without one, an empty list
+        # or tuple would come back an empty OrderedDict
+        if not tensors and (kept or source_format == "torch"):
+            if kept:
+                what = f"no tensor, only metadata ({n:,} {'entry' if n == 1 else 'entries'}: {keys}), which"
+            else:
+                what = "no tensor (an empty container), and"
             raise UnsupportedError(
-                f"the {source_format} checkpoint holds no tensor, only metadata ({n:,} "
-                f"{'entry' if n == 1 else 'entries'}: {keys}), which clipcli writes to a .pt only around the tensors "
-                "it holds; copy the file to keep it as it is, or write .safetensors (its header keeps each entry as "
-                "a string)"
+                f"the {source_format} checkpoint holds {what} clipcli writes to a .pt only around the tensors it "
+                "holds; copy the file to keep it as it is, or write .safetensors (its header keeps each entry as a "
+                "string)"
             )
         if kept and (source is None or source[2]):
             raise UnsupportedError(

@@ -71,7 +71,11 @@ class HashReport(Report):
             skipped = f", {len(c.skipped):,} skipped" if c.skipped else ""
             lines = [f"{c.path}: {c.format}, {plural(c.count, 'tensor')} hashed{skipped}", f"checkpoint hash {c.hash}"]
             rows = ([t.name, t.dtype, shape_text(t.shape), t.sha256] for t in c.tensors)
-            lines += showing(len(c.tensors), c.count, "tensor") + table(["tensor", "dtype", "shape", "sha256"], rows)
+            if c.tensors:
+                lines += showing(len(c.tensors), c.count, "tensor")
+                lines += table(["tensor", "dtype", "shape", "sha256"], rows)
+            elif not c.skipped:  # a header over no rows reads as a listing that went wrong
+                lines.append("it holds no tensors")
             shown = [s for s in c.skipped if not s.reason.startswith(("not selected", "excluded"))]
             lines += [f"skipped {s.name} ({s.dtype}): {s.reason}" for s in shown[:10]]
             if len(shown) > 10:

@@ -371,6 +371,9 @@ def test_inspect_of_a_checkpoint_without_tensors_says_so(tmp_path):
         assert lines[-1] == "it holds no tensors" and not any(line.startswith("tensor ") for line in lines), lines
         (c,) = js("inspect", path)["checkpoints"]
         assert c["tensors"] == [] and c["tensor_count"] == 0
+    for path in (only_metadata, empty_st):  # hash too (found by a new user: its table's header over no rows)
+        lines = ok("hash", path).stdout.splitlines()
+        assert "it holds no tensors" in lines and not any(line.startswith("tensor ") for line in lines), lines
     # a pickle that names no global says so (was "...; globals:" over nothing)
     assert "  pickle: torch.load(weights_only=True) loads; it names no globals" in ok("inspect", only_metadata).stdout
     both = ok("inspect", only_metadata, SAMPLES / "grads.safetensors").stdout.splitlines()

@@ -263,8 +263,8 @@ def test_a_foreign_global_in_the_metadata_is_audited_and_never_run(
     ("pickled", "message"),
     [
         # the GLOBAL opcode of protocols 0-2, at the top: no Metadata at all
-        (b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R.", r"holds a os\.system object, not a distributed"),
-        (b"\x80\x02cargparse\nNamespace\n)R.", r"holds a argparse\.Namespace object, not a distributed checkpoint's"),
+        (b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R.", r"holds an os\.system object, not a distributed"),
+        (b"\x80\x02cargparse\nNamespace\n)R.", r"holds an argparse\.Namespace object, not a distributed checkpoint's"),
     ],
 )
 def test_a_foreign_object_where_the_metadata_should_be_says_so(tmp_path: Path, pickled: bytes, message: str) -> None:
@@ -459,7 +459,7 @@ def test_a_chunk_must_be_one_tensor_of_its_shape_and_dtype(tmp_path: Path) -> No
     values = np.ones(2, np.float32)
     with pytest.raises(MalformedError, match=r"tensor w: .* of something other than one tensor"):
         read_dcp(edit_chunk(torch_save_bytes(tmp_path, {"x": 1}, {})))
-    with pytest.raises(MalformedError, match=r"holds a int64 tensor of shape \(2,\), where float32 of shape"):
+    with pytest.raises(MalformedError, match=r"holds an int64 tensor of shape \(2,\), where float32 of shape"):
         read_dcp(edit_chunk(chunk_bytes(tmp_path, values.astype(np.int64))))
     with pytest.raises(MalformedError, match=r"holds a float32 tensor of shape \(3,\), where float32 of shape \(2,\)"):
         read_dcp(edit_chunk(chunk_bytes(tmp_path, np.ones(3, np.float32))))
@@ -472,11 +472,11 @@ def test_a_chunk_must_be_one_tensor_of_its_shape_and_dtype(tmp_path: Path) -> No
     [
         (lambda sd, sto: b"\x80\x02" + dops([1, 2]) + b".", "the pickle holds a list, not a distributed checkpoint's"),
         (lambda sd, sto: metadata_pickle([], sto), "state_dict_metadata is a list, not a dict"),
-        (lambda sd, sto: metadata_pickle({1: sd["w"]}, sto), "state_dict_metadata has a int as a name"),
-        (lambda sd, sto: metadata_pickle({"w": 3}, sto), "tensor w: the item is a int, not tensor or bytes metadata"),
+        (lambda sd, sto: metadata_pickle({1: sd["w"]}, sto), "state_dict_metadata has an int as a name"),
+        (lambda sd, sto: metadata_pickle({"w": 3}, sto), "tensor w: the item is an int, not tensor or bytes metadata"),
         (lambda sd, sto: metadata_pickle(sd, [1]), "storage_data is a list, not a dict"),
         (lambda sd, sto: metadata_pickle(sd, {"w": 1}), "storage_data is keyed by a str, not a MetadataIndex"),
-        (lambda sd, sto: metadata_pickle(sd, {index("w", (0,)): 3}), "tensor w: storage_data holds a int"),
+        (lambda sd, sto: metadata_pickle(sd, {index("w", (0,)): 3}), "tensor w: storage_data holds an int"),
         (lambda sd, sto: metadata_pickle(sd, None), r"tensor w: the chunk at offsets \(0,\) is not in storage_data"),
         (
             lambda sd, sto: metadata_pickle(sd, {index("w", (0,)): info("__0_0.distcp", -1, 5)}),
@@ -504,7 +504,7 @@ def test_a_chunk_must_be_one_tensor_of_its_shape_and_dtype(tmp_path: Path) -> No
             lambda sd, sto: metadata_pickle({"w": tensor_md("float32", (-2,), [((0,), (2,))])}, sto),
             "the global shape is not a tuple of non-negative integers",
         ),
-        (lambda sd, sto: metadata_pickle(sd, sto, version=2), "the metadata's version is a int"),
+        (lambda sd, sto: metadata_pickle(sd, sto, version=2), "the metadata's version is an int"),
         (
             lambda sd, sto: b"\x80\x02" + dops(Obj("Metadata", {}, args=(1,))) + b".",
             r"the pickle creates a torch\.distributed\.checkpoint\.metadata\.Metadata with arguments",
@@ -520,15 +520,15 @@ def test_a_chunk_must_be_one_tensor_of_its_shape_and_dtype(tmp_path: Path) -> No
         # a placeholder (a global beyond DCP's own) where a record belongs: the message names what stands there
         (
             lambda sd, sto: metadata_pickle({"w": Call(G("argparse", "Namespace"), ())}, sto),
-            r"tensor w: the item is a argparse\.Namespace object, not tensor or bytes metadata",
+            r"tensor w: the item is an argparse\.Namespace object, not tensor or bytes metadata",
         ),
         (
             lambda sd, sto: metadata_pickle(sd, {index("w", (0,)): Call(G("os", "system"), "x")}),
-            r"tensor w: storage_data holds a os\.system object, not a _StorageInfo",
+            r"tensor w: storage_data holds an os\.system object, not a _StorageInfo",
         ),
         (
             lambda sd, sto: metadata_pickle(Call(G("argparse", "Namespace"), ()), sto),
-            r"state_dict_metadata is a argparse\.Namespace object, not a dict",
+            r"state_dict_metadata is an argparse\.Namespace object, not a dict",
         ),
     ],
 )

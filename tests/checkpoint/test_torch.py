@@ -719,7 +719,7 @@ MALFORMED_STREAMS = {
     "unquoted STRING": (b"Sabc\n.", "not quoted"),
     "out-of-band buffer": (b"\x80\x05\x97.", "out-of-band"),
     "persistent id without a loader": (b"\x80\x02N\x51.", "persistent object"),
-    "STACK_GLOBAL of ints": (b"\x80\x04K\x01K\x02\x93.", "STACK_GLOBAL with a int"),
+    "STACK_GLOBAL of ints": (b"\x80\x04K\x01K\x02\x93.", "STACK_GLOBAL with an int"),
     "trailing bytes": (b"\x80\x02N.junk", "follow the pickle's STOP"),
 }
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from clipcli.checkpoint.formats._dcp_records import DcpObject
-from clipcli.checkpoint.formats._pickle import kind
+from clipcli.checkpoint.formats._pickle import a_kind, with_article
 from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats._torch_zip import MAX_PICKLE
 from clipcli.checkpoint.formats.torch import TorchTensor, read_torch
@@ -71,17 +71,17 @@ def storage_locations(root: DcpObject) -> Locations:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise MalformedError(f"storage_data is a {kind(data)}, not a dict")
+        raise MalformedError(f"storage_data is {a_kind(data)}, not a dict")
     out: Locations = {}
     for index, info in data.items():
         if not (isinstance(index, DcpObject) and index.cls == "MetadataIndex"):
-            raise MalformedError(f"storage_data is keyed by a {kind(index)}, not a MetadataIndex")
+            raise MalformedError(f"storage_data is keyed by {a_kind(index)}, not a MetadataIndex")
         fqn, offset = index.get("fqn"), index.get("offset")
         if type(fqn) is not str:
-            raise MalformedError(f"a MetadataIndex names a {kind(fqn)}")
+            raise MalformedError(f"a MetadataIndex names {a_kind(fqn)}")
         offsets = None if offset is None else checked_dims(offset, "offset of a MetadataIndex", fqn)
         if not (isinstance(info, DcpObject) and info.cls == "_StorageInfo"):
-            raise MalformedError(f"storage_data holds a {kind(info)}, not a _StorageInfo", tensor=fqn)
+            raise MalformedError(f"storage_data holds {a_kind(info)}, not a _StorageInfo", tensor=fqn)
         location = _location(info, fqn)
         if (fqn, offsets) in out:
             raise MalformedError(f"storage_data places the {entry_text(offsets)} twice", tensor=fqn)
@@ -93,13 +93,13 @@ def _location(info: DcpObject, fqn: str) -> Location:
     path, offset, length = info.get("relative_path"), info.get("offset"), info.get("length")
     transforms = info.get("transform_descriptors")
     if type(path) is not str:
-        raise MalformedError(f"a _StorageInfo's relative_path is a {kind(path)}", tensor=fqn)
+        raise MalformedError(f"a _StorageInfo's relative_path is {a_kind(path)}", tensor=fqn)
     if not (type(offset) is int and type(length) is int and 0 <= offset < _MAX_INDEX and 0 <= length < _MAX_INDEX):
         raise MalformedError("a _StorageInfo's offset or length is not a non-negative integer", tensor=fqn)
     if transforms is None:
         transforms = ()
     if type(transforms) not in (list, tuple) or not all(type(t) is str for t in transforms):
-        raise MalformedError(f"a _StorageInfo's transform_descriptors is a {kind(transforms)}", tensor=fqn)
+        raise MalformedError(f"a _StorageInfo's transform_descriptors is {a_kind(transforms)}", tensor=fqn)
     return Location(path, offset, length, tuple(transforms))
 
 
@@ -163,7 +163,7 @@ class Files:
         t = inner[0]
         if t.shape != sizes or t.dtype_name != dtype_name:
             raise MalformedError(
-                f"the chunk at offsets {offsets} holds a {t.dtype_name} tensor of shape {t.shape}, "
+                f"the chunk at offsets {offsets} holds {with_article(t.dtype_name)} tensor of shape {t.shape}, "
                 f"where {dtype_name} of shape {sizes} belongs",
                 path,
                 fqn,

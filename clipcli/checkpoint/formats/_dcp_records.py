@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from clipcli.checkpoint.formats._pickle import Constructor, Record, kind
+from clipcli.checkpoint.formats._pickle import Constructor, Record, a_kind
 from clipcli.checkpoint.formats._torch_records import dtype_of, resolve_global
 from clipcli.errors import MalformedError
 
@@ -23,7 +23,7 @@ class DcpObject(Record):
         if type(state) is tuple and len(state) == 2 and state[1] is None:  # (dict, slots) as Python pickles it
             state = state[0]
         if not isinstance(state, dict) or not all(type(k) is str for k in state):
-            raise MalformedError(f"the pickle sets the attributes of a {self.cls} from a {kind(state)}")
+            raise MalformedError(f"the pickle sets the attributes of a {self.cls} from {a_kind(state)}")
         self.attrs.update(state)
 
     def get(self, name: str) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.checkpoint.formats._pickle import Constructor, Placeholder, Record, kind
+from clipcli.checkpoint.formats._pickle import Constructor, Placeholder, Record, a_kind
 from clipcli.errors import MalformedError
 
 # the dtype strings decoded: booleans, integers, floats and complex numbers NumPy holds (no long double)
@@ -101,14 +101,14 @@ def _dtype(code: Any, align: Any = False, copy: Any = False) -> NumpyDtype:
 def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> NumpyArray | Placeholder:
     if subtype is not _NDARRAY:  # a subclass (matrix, masked array): a placeholder, as any unknown class
         if not isinstance(subtype, Placeholder):
-            raise MalformedError(f"numpy's _reconstruct is given a {kind(subtype)} as the array type")
+            raise MalformedError(f"numpy's _reconstruct is given {a_kind(subtype)} as the array type")
         return Placeholder(subtype.name, (shape, dtype_code))
     return NumpyArray()
 
 
 def _scalar(dtype: Any, data: Any = None) -> Any:
     if not isinstance(dtype, NumpyDtype):
-        raise MalformedError(f"numpy's scalar is given a {kind(dtype)} as its dtype")
+        raise MalformedError(f"numpy's scalar is given {a_kind(dtype)} as its dtype")
     if dtype.array is None or type(data) is not bytes or len(data) != dtype.array.itemsize:
         return Placeholder("numpy.generic", (dtype.text,))  # an object, string or structured scalar
     return np.frombuffer(data, dtype.array)[0].item()

@@ -66,7 +66,7 @@ class Record:
         Raises:
             UnsafePickleError: always, unless a subclass accepts a state.
         """
-        raise UnsafePickleError(f"the pickle sets the state of a {kind(self)} (BUILD), which clipcli never runs")
+        raise UnsafePickleError(f"the pickle sets the state of {a_kind(self)} (BUILD), which clipcli never runs")
 
 
 class Placeholder(Record):
@@ -120,6 +120,16 @@ def unsafe_global(module: str, name: str) -> UnsafePickleError:
     if len(what) > _MAX_NAME:
         what = what[:_MAX_NAME] + "..."
     return UnsafePickleError(f"the pickle asks for GLOBAL {what}, which clipcli never runs")
+
+
+def a_kind(obj: Any) -> str:
+    """`kind`, with its article ("an int", "an argparse.Namespace object", "a list")."""
+    return with_article(kind(obj))
+
+
+def with_article(words: str) -> str:
+    """Words after "a" or "an", as their first letter asks."""
+    return ("an " if words[:1].lower() in "aeiou" else "a ") + words
 
 
 def kind(obj: Any) -> str:
@@ -438,7 +448,7 @@ class _Machine:
             raise MalformedError(f"the pickle nests tuples deeper than {MAX_DEPTH} levels")
         if size > self.work_limit:
             raise MalformedError(
-                f"the pickle builds a {kind(obj)} of more than {self.work_limit} items once its shared members "
+                f"the pickle builds {a_kind(obj)} of more than {self.work_limit} items once its shared members "
                 f"are expanded (at byte {self.op_pos})"
             )
         if depth > 1 or size > 1 + len(obj):
@@ -468,7 +478,7 @@ class _Machine:
 
     def _hash_error(self, obj: Any) -> MalformedError:
         return MalformedError(
-            f"a {kind(obj)} cannot be a dict key or set member ({self.op_name()} at byte {self.op_pos})"
+            f"{a_kind(obj)} cannot be a dict key or set member ({self.op_name()} at byte {self.op_pos})"
         )
 
     # -- opcodes -------------------------------------------------------------------------------------
@@ -570,7 +580,7 @@ class _Machine:
             return target
         if isinstance(target, Placeholder) and target.args is not None:
             return target.list_items
-        raise MalformedError(f"{self.op_name()} to a {kind(target)} at byte {self.op_pos}")
+        raise MalformedError(f"{self.op_name()} to {a_kind(target)} at byte {self.op_pos}")
 
     def _append(self) -> None:
         value = self._pop()
@@ -621,7 +631,7 @@ class _Machine:
         if isinstance(target, Placeholder) and target.args is not None:
             return target.items
         if not isinstance(target, dict):
-            raise MalformedError(f"{self.op_name()} on a {kind(target)} at byte {self.op_pos}")
+            raise MalformedError(f"{self.op_name()} on {a_kind(target)} at byte {self.op_pos}")
         return target
 
     def _setitem(self) -> None:
@@ -637,7 +647,7 @@ class _Machine:
         items = self._pop_mark()
         target = self._top()
         if type(target) is not set:
-            raise MalformedError(f"ADDITEMS to a {kind(target)} at byte {self.op_pos}")
+            raise MalformedError(f"ADDITEMS to {a_kind(target)} at byte {self.op_pos}")
         self._charge_keys(items)
         for item in items:
             try:
@@ -690,7 +700,7 @@ class _Machine:
         name = self._pop()
         module = self._pop()
         if type(module) is not str or type(name) is not str:
-            raise MalformedError(f"STACK_GLOBAL with a {kind(module)} and a {kind(name)} at byte {self.op_pos}")
+            raise MalformedError(f"STACK_GLOBAL with {a_kind(module)} and {a_kind(name)} at byte {self.op_pos}")
         self.stack.append(self._resolved(module, name))
 
     def _made(self, p: Placeholder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -721,9 +731,9 @@ class _Machine:
         args = self._pop()
         f = self._pop()
         if not isinstance(f, (Constructor, Placeholder)):
-            raise UnsafePickleError(f"the pickle calls a {kind(f)} (REDUCE), which clipcli never runs")
+            raise UnsafePickleError(f"the pickle calls {a_kind(f)} (REDUCE), which clipcli never runs")
         if type(args) is not tuple:
-            raise MalformedError(f"the pickle calls {f.name} with a {kind(args)} of arguments, not a tuple")
+            raise MalformedError(f"the pickle calls {f.name} with {a_kind(args)} of arguments, not a tuple")
         if isinstance(f, Placeholder):
             self._made(f, args, {})
         else:
@@ -736,7 +746,7 @@ class _Machine:
         op = "NEWOBJ_EX" if with_kwargs else "NEWOBJ"
         placeholder = isinstance(cls, Placeholder) and cls.args is None
         if not placeholder and not (isinstance(cls, Constructor) and cls.newobj):
-            raise UnsafePickleError(f"the pickle creates a {kind(cls)} ({op}), which clipcli never runs")
+            raise UnsafePickleError(f"the pickle creates {a_kind(cls)} ({op}), which clipcli never runs")
         if type(args) is not tuple or type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
             raise MalformedError(f"the pickle creates {cls.name} with malformed arguments")
         if placeholder:
@@ -757,7 +767,7 @@ class _Machine:
         elif isinstance(target, Record):
             target.build(state)
         else:
-            raise UnsafePickleError(f"the pickle sets the state of a {kind(target)} (BUILD), which clipcli never runs")
+            raise UnsafePickleError(f"the pickle sets the state of {a_kind(target)} (BUILD), which clipcli never runs")
 
     def _inst(self) -> None:
         module = self._line().decode("utf-8")
@@ -773,7 +783,7 @@ class _Machine:
 
     def _instantiate(self, cls: Any, args: list[Any], op: str) -> None:
         if not (isinstance(cls, Placeholder) and cls.args is None):
-            raise UnsafePickleError(f"the pickle calls a {kind(cls)} ({op}), which clipcli never runs")
+            raise UnsafePickleError(f"the pickle calls {a_kind(cls)} ({op}), which clipcli never runs")
         self._made(cls, self._tuple(args), {})
 
     def _ext(self, code: int, op: str) -> None:
@@ -802,7 +812,7 @@ def _build_attributes(target: PickledDict, state: Any) -> None:
         if part is None:
             continue
         if not isinstance(part, dict) or not all(type(k) is str for k in part):
-            raise MalformedError(f"the pickle sets a dict's attributes from a {kind(part)}")
+            raise MalformedError(f"the pickle sets a dict's attributes from {a_kind(part)}")
         target.attributes.update(part)
 
 
@@ -831,7 +841,7 @@ def _frozenset(items: Any = ()) -> frozenset[Any]:
 
 def _iterable(items: Any, name: str) -> Any:
     if type(items) not in (list, tuple, set, frozenset):
-        raise MalformedError(f"the pickle calls {name} with a {kind(items)}")
+        raise MalformedError(f"the pickle calls {name} with {a_kind(items)}")
     return items
 
 
@@ -843,7 +853,7 @@ def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 
 def _bytes(data: Any = b"") -> bytes:
     if type(data) is not bytes:
-        raise MalformedError(f"the pickle calls builtins.bytes with a {kind(data)}")
+        raise MalformedError(f"the pickle calls builtins.bytes with {a_kind(data)}")
     return data
 
 
@@ -870,7 +880,7 @@ def _ordered_dict(items: Any = ()) -> PickledDict:
         try:
             d[pair[0]] = pair[1]
         except TypeError as e:
-            raise MalformedError(f"a {kind(pair[0])} cannot be a dict key") from e
+            raise MalformedError(f"{a_kind(pair[0])} cannot be a dict key") from e
     return d
 
 

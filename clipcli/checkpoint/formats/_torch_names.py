@@ -10,7 +10,7 @@ from clipcli.checkpoint.formats._pickle import (
     MAX_DEPTH,
     Constructor,
     Placeholder,
-    kind,
+    a_kind,
 )
 from clipcli.checkpoint.formats._torch_records import (
     Device,
@@ -249,7 +249,7 @@ def _literal(value: Any, depth: int) -> str:
         return value.text
     if isinstance(value, (Tensor, Storage)):
         raise UnsupportedError("a tensor used as a dict key or set member has no name")
-    raise MalformedError(f"a {kind(value)} where a key or value belongs")
+    raise MalformedError(f"{a_kind(value)} where a key or value belongs")
 
 
 def _render(value: Any, name: str) -> str:

@@ -15,7 +15,7 @@ from clipcli.checkpoint.formats._pickle import (
     PLAIN_GLOBALS,
     Constructor,
     Record,
-    kind,
+    a_kind,
 )
 from clipcli.errors import (
     MalformedError,
@@ -250,7 +250,7 @@ class Tensor(Record):
 
 def _storage_arg(storage: Any, func: str) -> Storage:
     if not isinstance(storage, Storage):
-        raise MalformedError(f"{func} is given a {kind(storage)} where a storage belongs")
+        raise MalformedError(f"{func} is given {a_kind(storage)} where a storage belongs")
     return storage
 
 
@@ -295,7 +295,7 @@ def _metadata_skip(metadata: Any) -> str | None:
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
-        raise MalformedError(f"tensor metadata is a {kind(metadata)}, not a dict")
+        raise MalformedError(f"tensor metadata is {a_kind(metadata)}, not a dict")
     flags = [k for k, v in metadata.items() if v]
     unknown = [k for k in flags if k not in _TENSOR_FLAGS]
     if unknown:
@@ -314,20 +314,20 @@ _FLAG_CHARS = 40
 
 
 def _flag_names(keys: list[Any]) -> str:
-    shown = [printable(k[:_FLAG_CHARS]) if type(k) is str else f"a {kind(k)}" for k in keys[:_SHOWN_FLAGS]]
+    shown = [printable(k[:_FLAG_CHARS]) if type(k) is str else f"{a_kind(k)}" for k in keys[:_SHOWN_FLAGS]]
     more = len(keys) - _SHOWN_FLAGS
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def _dtype_arg(dtype: Any) -> Dtype:
     if not isinstance(dtype, Named) or dtype.dtype is None:
-        raise MalformedError(f"a {kind(dtype)} where a torch dtype belongs")
+        raise MalformedError(f"{a_kind(dtype)} where a torch dtype belongs")
     return dtype.dtype
 
 
 def _tensor_arg(data: Any, func: str) -> Tensor:
     if not isinstance(data, Tensor):
-        raise MalformedError(f"{func} is given a {kind(data)} where a tensor belongs")
+        raise MalformedError(f"{func} is given {a_kind(data)} where a tensor belongs")
     return data
 
 
@@ -342,11 +342,11 @@ def _rebuild_parameter_with_state(data: Any, requires_grad: Any, backward_hooks:
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Tensor:
     # A tensor with Python attributes (or a Parameter subclass): rebuilt by one of the functions above.
     if not (isinstance(func, Constructor) and func.name in _TENSOR_REBUILDERS):
-        raise MalformedError(f"torch._tensor._rebuild_from_type_v2 is given a {kind(func)} to call")
+        raise MalformedError(f"torch._tensor._rebuild_from_type_v2 is given {a_kind(func)} to call")
     if not (isinstance(new_type, Named) and new_type.name in _TENSOR_TYPES):
-        raise MalformedError(f"torch._tensor._rebuild_from_type_v2 is given a {kind(new_type)} as the tensor type")
+        raise MalformedError(f"torch._tensor._rebuild_from_type_v2 is given {a_kind(new_type)} as the tensor type")
     if type(args) is not tuple:
-        raise MalformedError(f"torch._tensor._rebuild_from_type_v2 is given a {kind(args)} of arguments")
+        raise MalformedError(f"torch._tensor._rebuild_from_type_v2 is given {a_kind(args)} of arguments")
     return _tensor_arg(func.func(*args), "torch._tensor._rebuild_from_type_v2")
 
 
@@ -362,13 +362,13 @@ def _rebuild_qtensor(
     _storage_arg(storage, "torch._utils._rebuild_qtensor")
     scheme = quantizer_params[0] if type(quantizer_params) is tuple and quantizer_params else None
     if not (isinstance(scheme, Named) and scheme.name in QSCHEMES):
-        raise MalformedError(f"torch._utils._rebuild_qtensor is given a {kind(scheme)} as quantization scheme")
+        raise MalformedError(f"torch._utils._rebuild_qtensor is given {a_kind(scheme)} as quantization scheme")
     return Tensor(storage, storage_offset, size, stride, skip=f"quantized tensor ({scheme.name})")
 
 
 def _rebuild_sparse_tensor(layout: Any, data: Any) -> Tensor:
     if not (isinstance(layout, Named) and layout.name in _SPARSELAYOUTS):
-        raise MalformedError(f"torch._utils._rebuild_sparse_tensor is given a {kind(layout)} as layout")
+        raise MalformedError(f"torch._utils._rebuild_sparse_tensor is given {a_kind(layout)} as layout")
     coo = layout.name == "torch.sparse_coo"  # (indices, values, size[, coalesced]); else 2 index tensors first
     if type(data) is not tuple or len(data) not in ((3, 4) if coo else (4,)):
         raise MalformedError("torch._utils._rebuild_sparse_tensor is given malformed data")
@@ -505,9 +505,9 @@ class Storages:
             )
         storage_type, key, _location, numel = pid[1:5]
         if not isinstance(storage_type, StorageType):
-            raise MalformedError(f"a persistent id names a {kind(storage_type)} as its storage type")
+            raise MalformedError(f"a persistent id names {a_kind(storage_type)} as its storage type")
         if type(key) is not str or not key:
-            raise MalformedError(f"a persistent id's storage key is a {kind(key)}")
+            raise MalformedError(f"a persistent id's storage key is {a_kind(key)}")
         if type(numel) is not int or not 0 <= numel < _MAX_INDEX:
             raise MalformedError(f"storage {key} has a bad size")
         dtype = storage_type.dtype or _UINT8

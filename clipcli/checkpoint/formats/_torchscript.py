@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from clipcli.checkpoint.formats._pickle import Placeholder, kind
+from clipcli.checkpoint.formats._pickle import Placeholder, a_kind
 from clipcli.checkpoint.formats._torch_records import Tensor
 from clipcli.errors import MalformedError, UnsupportedError
 
@@ -100,10 +100,10 @@ def module_state(root: Any, lookup: Lookup, constants: Any) -> dict[str, Any]:
             constants.pkl holds no tuple.
     """
     if not _is_script_object(root):
-        raise MalformedError(f"the TorchScript archive's data.pkl holds a {kind(root)}, not a module")
+        raise MalformedError(f"the TorchScript archive's data.pkl holds {a_kind(root)}, not a module")
     state = _Walk(lookup).state(root, 0)
     if type(constants) is not tuple:
-        raise MalformedError(f"the TorchScript archive's constants.pkl holds a {kind(constants)}, not a tuple")
+        raise MalformedError(f"the TorchScript archive's constants.pkl holds {a_kind(constants)}, not a tuple")
     if constants:
         if CONSTANTS in state:
             raise UnsupportedError(

@@ -62,7 +62,7 @@ from clipcli.checkpoint.formats._dcp_files import (
 )
 from clipcli.checkpoint.formats._dcp_layout import layout_error
 from clipcli.checkpoint.formats._dcp_records import TRUSTED, DcpObject, resolve
-from clipcli.checkpoint.formats._pickle import kind, unpickle
+from clipcli.checkpoint.formats._pickle import a_kind, unpickle
 from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats.torch import (
     MAX_PICKLE,
@@ -114,7 +114,8 @@ def _piece(c: DcpChunk) -> Piece:
 
 
 def is_dcp(directory: Path, store: Store = LOCAL) -> bool:
-    """Whether `directory` holds a `.metadata` file that looks like a distributed checkpoint's.
+    """Whether `directory` holds a `.metadata` file that looks like a distributed checkpoint's, or one beside
+    `.distcp` files (a damaged one: reading it then says what is wrong with it).
 
     Only the file's first bytes are read: a pickle (protocol 2 to 5) that names DCP's or Megatron's
     metadata class. A directory that cannot be read is not one.
@@ -125,9 +126,11 @@ def is_dcp(directory: Path, store: Store = LOCAL) -> bool:
             return False
         with store.open(path) as f:
             head = f.read(1024)
+        if len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and any(s in head for s in _SIGNATURES):
+            return True
+        return any(p.name.endswith(".distcp") for p in store.list(Path(directory)))
     except OSError:
         return False
-    return len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and any(s in head for s in _SIGNATURES)
 
 
 def read_dcp(
@@ -213,7 +216,7 @@ def _read_metadata(where: Path, store: Store, audit: Audit) -> DcpObject:
         e.path = str(where)
         raise
     if not (isinstance(root, DcpObject) and root.cls == "Metadata"):
-        raise MalformedError(f"the pickle holds a {kind(root)}, not a distributed checkpoint's Metadata", where)
+        raise MalformedError(f"the pickle holds {a_kind(root)}, not a distributed checkpoint's Metadata", where)
     return root
 
 
@@ -221,13 +224,13 @@ def _state_dict_items(root: DcpObject) -> list[tuple[str, DcpObject]]:
     """(name, TensorStorageMetadata or BytesStorageMetadata) for each item of `state_dict_metadata`."""
     items = root.get("state_dict_metadata")
     if not isinstance(items, dict):
-        raise MalformedError(f"state_dict_metadata is a {kind(items)}, not a dict")
+        raise MalformedError(f"state_dict_metadata is {a_kind(items)}, not a dict")
     out = []
     for fqn, entry in items.items():
         if type(fqn) is not str:
-            raise MalformedError(f"state_dict_metadata has a {kind(fqn)} as a name")
+            raise MalformedError(f"state_dict_metadata has {a_kind(fqn)} as a name")
         if not (isinstance(entry, DcpObject) and entry.cls in ("TensorStorageMetadata", "BytesStorageMetadata")):
-            raise MalformedError(f"the item is a {kind(entry)}, not tensor or bytes metadata", tensor=fqn)
+            raise MalformedError(f"the item is {a_kind(entry)}, not tensor or bytes metadata", tensor=fqn)
         out.append((fqn, entry))
     return out
 
@@ -237,7 +240,7 @@ def _check_version(root: DcpObject) -> None:
     if version is None:  # torch < 2.4 wrote none
         return
     if type(version) is not str:
-        raise MalformedError(f"the metadata's version is a {kind(version)}")
+        raise MalformedError(f"the metadata's version is {a_kind(version)}")
     if version.split(".")[0] != "1":
         raise UnsupportedError(f"distributed checkpoint metadata version {version[:20]!r} (clipcli reads 1.x)")
 
@@ -267,21 +270,21 @@ def _tensor(fqn: str, entry: DcpObject, files: Files) -> DcpTensor:
 def _tensor_dtype(entry: DcpObject, fqn: str) -> tuple[np.dtype | None, str]:
     properties = entry.get("properties")
     if not (isinstance(properties, DcpObject) and properties.cls == "TensorProperties"):
-        raise MalformedError(f"the tensor's properties are a {kind(properties)}", tensor=fqn)
+        raise MalformedError(f"the tensor's properties are {a_kind(properties)}", tensor=fqn)
     found = dtype_of(properties.get("dtype"))
     if found is None:
-        raise MalformedError(f"the tensor's dtype is a {kind(properties.get('dtype'))}", tensor=fqn)
+        raise MalformedError(f"the tensor's dtype is {a_kind(properties.get('dtype'))}", tensor=fqn)
     return found
 
 
 def _boxes(chunks: Any, ndim: int, fqn: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, sizes) of every chunk, each of the tensor's rank."""
     if type(chunks) is not list:
-        raise MalformedError(f"the tensor's chunks are a {kind(chunks)}, not a list", tensor=fqn)
+        raise MalformedError(f"the tensor's chunks are {a_kind(chunks)}, not a list", tensor=fqn)
     boxes = []
     for chunk in chunks:
         if not (isinstance(chunk, DcpObject) and chunk.cls == "ChunkStorageMetadata"):
-            raise MalformedError(f"a chunk is a {kind(chunk)}, not a ChunkStorageMetadata", tensor=fqn)
+            raise MalformedError(f"a chunk is {a_kind(chunk)}, not a ChunkStorageMetadata", tensor=fqn)
         offsets = checked_dims(chunk.get("offsets"), "offset of a chunk", fqn)
         sizes = checked_dims(chunk.get("sizes"), "shape of a chunk", fqn)
         if len(offsets) != ndim or len(sizes) != ndim:

@@ -207,7 +207,7 @@ def _plain(value: Any, name: str) -> Any:
         return value
     if t in (dict, list, tuple) and not value:
         return t()
-    from clipcli.checkpoint.formats._pickle import PickledCounter, kind
+    from clipcli.checkpoint.formats._pickle import PickledCounter, a_kind
 
     if t is PickledCounter:
         return Call("collections", "Counter", ({},))
@@ -232,7 +232,7 @@ def _plain(value: Any, name: str) -> Any:
 
     why = " (torch.load(weights_only=True) refuses builtins.frozenset)" if t is frozenset else ""
     raise UnsupportedError(
-        f"a {kind(value)}{why}, which clipcli does not write to a .pt (it writes what torch's weights-only "
+        f"{a_kind(value)}{why}, which clipcli does not write to a .pt (it writes what torch's weights-only "
         "unpickler reads back: numbers, strings, booleans, None, bytes, sets, dtypes, devices, layouts, "
         "quantization schemes, torch.Size, Parameters and containers of them); give --drop-metadata to write the "
         "tensors without it",

@@ -486,7 +486,7 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
         lo = _mm512_min_ps(xf, lo); /* xf < lo ? xf : lo */
         hi = _mm512_max_ps(xf, hi);
         peak = _mm512_max_epi32(mag, peak);
-        __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(xf)), b = _mm512_cvtps_pd(_mm512_extractf32x8_ps(xf, 1));
+        __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8)); /* no extraction */
         base = _mm512_fmadd_pd(a, a, base);
         base = _mm512_fmadd_pd(b, b, base);
         AVX512_ERROR(0);

@@ -268,8 +268,10 @@ static void release_buffers(int n, Py_buffer *views) {
  * the values of a block's window (the exponent fields from its largest's, 464's at most, less WINDOW; and
  * zeros) are summed, x and x*x, in float64 lanes, exactly (see open_window), and added to the totals per E
  * at the window's least field (x's sum as three signed 24-bit digits, 24 fields apart); only the values
- * below the window go to the bins, and every value is tallied by u >> 23 (a count alone, from scalar
- * registers). So the two loops give the same counts, error sums and exact totals of x and x*x, but not
+ * below the window go to the bins. Every value is counted by its place in the window (E - least + 1; 0
+ * below it, zeros included), two at a time: a tally of pairs of places, one 32-bit addition a pair from
+ * scalar registers, read a group late (its places stored from a vector, not forwarded) and emptied into the
+ * counts per E at the block's end (see close_window). So the two loops give the same counts, error sums and exact totals of x and x*x, but not
  * the same shares of those totals per E (the totals are what the sums per E are for).
  */
 #define STATS_BLOCK 8192
@@ -311,7 +313,7 @@ static const uint32_t NORMAL[TARGETS] = {0x387FE000, 0x7F8000, 0x3C700000, 0x386
 typedef struct {
     /* by u >> 23 (sign and E): the count and the sum of f packed, and the sum of f * f, side by side */
     uint64_t pairs[COPIES][512 + 4][2] __attribute__((aligned(16)));
-    uint32_t tally[COPIES][512 + 16]; /* by u >> 23, counts alone (the AVX-512 loop's: see its window) */
+    uint32_t tally[2][32 * 32]; /* the AVX-512 loop's counts of pairs of values by their places in the window */
     int64_t counts[256], sums[256];
     unsigned __int128 square_sums[256];
     int64_t subnormal[SUBNORMAL_BINS];
@@ -345,11 +347,10 @@ static void empty_bins(stats_bins *b) {
                 m += n << 23;
                 q += ((unsigned __int128)f << 24) + ((unsigned __int128)n << 46);
             }
-            b->counts[e] += n + (int32_t)b->tally[c][key];
+            b->counts[e] += n;
             b->sums[e] += key >> 8 ? -m : m;
             b->square_sums[e] += q;
             b->pairs[c][key][0] = b->pairs[c][key][1] = 0;
-            b->tally[c][key] = 0;
         }
 }
 
@@ -381,8 +382,9 @@ typedef struct {
     int64_t flush1, normal1;
     v8d sum, high, low; /* the block's window: sum of x; sum of x*x as high + low parts (see the AVX-512 loop) */
     double magic;       /* 1.5 * 2**(52 + WINDOW_SPLIT) units of x*x */
-    int32_t below;      /* (the window's least exponent field << 23) - 1 */
+    int32_t below;      /* (the window's least exponent field << 23) - 2: magnitudes m with m - 1 above it lie in it */
     int32_t least;      /* that exponent field */
+    int64_t below_count; /* the block's values below the window */
 } stats_lanes;
 
 /* The subnormals among sixteen magnitudes (a mask `is_sub` of them): their bins by bit length, and
@@ -426,7 +428,11 @@ static const int32_t STATS_K[K_LEN] = {
         normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, K(K_NORMAL + T)), normal##T, one); \
     } while (0)
 
+/* The lanes given back (and the last group's places tallied). */
 #define STORE_LANES() \
+    if (pending) \
+        for (int j = 0; j < 16; j += 2) \
+            bins->tally[j >> 1 & 1][places[(~i >> 4 & 1) * 16 + j]]++; \
     s->sum = (v8d)sum; \
     s->high = (v8d)high; \
     s->low = (v8d)low; \
@@ -446,7 +452,7 @@ static const int32_t STATS_K[K_LEN] = {
     s->hi = (v16f)hi;
 
 /* Adds the values of a group of sixteen below the window (a mask `below` of them) to the bins as the generic
- * loop does (their tallies, taken already, given back). */
+ * loop does (they are tallied too, in place 0 of the window: see close_window). */
 static void below_window(stats_bins *bins, const float *x, uint32_t below) {
     for (; below; below &= below - 1) {
         int j = __builtin_ctz(below);
@@ -455,7 +461,6 @@ static void below_window(stats_bins *bins, const float *x, uint32_t below) {
         uint64_t f = b & 0x7FFFFF;
         bins->pairs[j & 3][b >> 23][0] += f + ((uint64_t)1 << 41);
         bins->pairs[j & 3][b >> 23][1] += f * f;
-        bins->tally[j & 3][b >> 23]--;
     }
 }
 
@@ -472,6 +477,9 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
     __m512i peak = (__m512i)s->peak, one = K(K_ONE), below = _mm512_set1_epi32(s->below);
     __m512 lo = (__m512)s->lo, hi = (__m512)s->hi;
     __m512d sum = (__m512d)s->sum, high = (__m512d)s->high, low = (__m512d)s->low, magic = _mm512_set1_pd(s->magic);
+    __m512i field = _mm512_set1_epi32(s->least - 1);
+    uint32_t places[32] __attribute__((aligned(64))); /* two groups' places, in turn */
+    int pending = 0;                                  /* the group before's places are not yet tallied */
     for (; end - i >= 16; i += 16) {
         __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, K(K_ABS));
         if (_mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
@@ -512,12 +520,18 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
                 count_subnormals(s, bins, m, is_sub);
             }
             below_window(bins, x + i, in ^ 0xFFFFu);
+            s->below_count += __builtin_popcount(in ^ 0xFFFFu);
         }
-        for (int j = 0; j < 16; j++) { /* in scalar registers: they have ports to spare, the vectors have not */
-            uint32_t v;
-            memcpy(&v, x + i + j, sizeof v);
-            bins->tally[j & 3][v >> 23]++;
-        }
+        /* each value's place in the window, E - least + 1 (0: below it, or zero), and pairs of them tallied
+         * from scalar registers (they have ports to spare, the vectors have not), a group late: the places
+         * stored, even | odd << 5, are read back from memory once the store is done */
+        __m512i place = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(mag, 23), field), _mm512_setzero_si512());
+        if (pending)
+            for (int j = 0; j < 16; j += 2)
+                bins->tally[j >> 1 & 1][places[(~i >> 4 & 1) * 16 + j]]++; /* the group before's */
+        _mm512_store_si512(places + (i >> 4 & 1) * 16, _mm512_or_si512(place, _mm512_srli_epi64(place, 27)));
+        __asm__ volatile("" ::: "memory"); /* not extracted on the vectors' ports instead */
+        pending = 1;
     }
     STORE_LANES();
     return i;
@@ -550,16 +564,38 @@ static void open_window(stats_lanes *s, int32_t top) {
     int least = (top >> 23 < (int32_t)(OVER_LEAST >> 23) ? top >> 23 : (int32_t)(OVER_LEAST >> 23)) - WINDOW;
     least = least > 1 ? least : 1;
     s->least = least;
-    s->below = (least << 23) - 1;
+    s->below = (least << 23) - 2; /* from least << 23 itself on (its place is 1, not 0) */
     s->magic = __builtin_ldexp(1.5, 52 + WINDOW_SPLIT + 2 * (least - 150));
     s->sum = s->high = s->low = (v8d){0};
+    s->below_count = 0;
 }
 
-/* Adds the window's exact sums to the bins: the sum of x in units 2**(least - 150) as three signed digits of
- * 24 bits at exponent fields least, least + 24 and least + 48 (so that a bin's int64 sum holds no more than
- * a value's share a block), the sum of x*x in units squared at least. */
-static void close_window(stats_lanes *s, stats_bins *bins) {
+/* Adds the window's counts and exact sums to the bins: the values per place in the window (from the tally of
+ * pairs, emptied: place 0, less the values below the window, the bins have already, holds zeros), the sum of
+ * x in units 2**(least - 150) as three signed digits of 24 bits at exponent fields least, least + 24 and
+ * least + 48 (so that a bin's int64 sum holds no more than a value's share a block), the sum of x*x in units
+ * squared at least. */
+__attribute__((target("arch=x86-64-v4"))) static void close_window(stats_lanes *s, stats_bins *bins) {
     int least = s->least;
+    uint32_t places[32] __attribute__((aligned(64))) = {0}; /* below 2**13 a block */
+    __m512i even_lo = _mm512_setzero_si512(), even_hi = even_lo;
+    for (int odd = 0; odd <= WINDOW + 1; odd++) { /* places beyond WINDOW + 1 hold nothing */
+        uint32_t *t0 = bins->tally[0] + (odd << 5), *t1 = bins->tally[1] + (odd << 5);
+        __m512i lo = _mm512_add_epi32(_mm512_loadu_si512(t0), _mm512_loadu_si512(t1));
+        __m512i hi = _mm512_add_epi32(_mm512_loadu_si512(t0 + 16), _mm512_loadu_si512(t1 + 16));
+        even_lo = _mm512_add_epi32(even_lo, lo);
+        even_hi = _mm512_add_epi32(even_hi, hi);
+        places[odd] += (uint32_t)_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+        _mm512_storeu_si512(t0, _mm512_setzero_si512());
+        _mm512_storeu_si512(t0 + 16, _mm512_setzero_si512());
+        _mm512_storeu_si512(t1, _mm512_setzero_si512());
+        _mm512_storeu_si512(t1 + 16, _mm512_setzero_si512());
+    }
+    _mm512_store_si512(places, _mm512_add_epi32(_mm512_load_si512(places), even_lo));
+    _mm512_store_si512(places + 16, _mm512_add_epi32(_mm512_load_si512(places + 16), even_hi));
+    bins->counts[0] += places[0] - s->below_count;
+    for (int p = 1; p <= WINDOW + 1; p++)
+        bins->counts[least + p - 1] += places[p];
     int64_t sum = 0, high = 0, low = 0;
     for (int j = 0; j < 8; j++) {
         sum += (int64_t)__builtin_ldexp(s->sum[j], 150 - least);

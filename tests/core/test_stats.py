@@ -509,7 +509,8 @@ def test_the_avx512_window_sums_stay_exact_at_their_bounds(monkeypatch, top):
     e = top >> 23
     rows = []
     for fields in ([e], [e, e - 18], [e, e - 18, e - 19], [e - 18, e - 19, 1, 0]):
-        bits = np.array([max(f, 0) << 23 | 0x7FFFFF for f in fields], np.uint32)
+        # the largest significand of each field, and a power of two (its least) at the window's edges
+        bits = np.array([max(f, 0) << 23 | 0x7FFFFF for f in fields] + [max(f, 0) << 23 for f in fields[1:]], np.uint32)
         rows.append(np.resize(bits, BLOCK))
     t = np.concatenate(rows).view(np.float32)
     for x in (t, -t):

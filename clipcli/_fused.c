@@ -468,8 +468,8 @@ static void below_window(stats_bins *bins, const float *x, uint32_t below) {
  * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. The exact sums of
  * x and x*x of the values in the block's window (see stats_loop) go to float64 lanes, the others' to the
  * bins; every value is tallied. */
-__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
-stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+__attribute__((target("arch=x86-64-v4"), always_inline)) static inline Py_ssize_t
+stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k, int checked) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
     __m512i flush0 = (__m512i)s->flush[0], flush2 = (__m512i)s->flush[2], flush3 = (__m512i)s->flush[3];
@@ -482,7 +482,7 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
     int pending = 0;                                  /* the group before's places are not yet tallied */
     for (; end - i >= 16; i += 16) {
         __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, K(K_ABS));
-        if (_mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
+        if (checked && _mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
             STORE_LANES();
             return i;
         }
@@ -537,6 +537,18 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
     return i;
 }
 
+/* stats_run for values that may hold NaN, inf or values above 464 (it stops before the first group that
+ * does), and for a run of ordinary values alone (a block whose largest magnitude is ordinary: no test). */
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
+stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+    return stats_run(x, i, end, s, bins, k, 1);
+}
+
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
+stats_run_ordinary(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+    return stats_run(x, i, end, s, bins, k, 0);
+}
+
 /* The largest magnitude bits among values [first, end) (a NaN's are the largest). */
 __attribute__((target("arch=x86-64-v4"), noipa)) static int32_t block_top(const float *x, Py_ssize_t first, Py_ssize_t end) {
     __m512i top = _mm512_setzero_si512(), abs = _mm512_set1_epi32(0x7FFFFFFF);
@@ -560,7 +572,7 @@ __attribute__((target("arch=x86-64-v4"), noipa)) static int32_t block_top(const 
  * 2**WINDOW_SPLIT units (fma(x, x, C) - C, C = 1.5 * 2**(52 + WINDOW_SPLIT) units: rounding at C's last
  * place) and the exact rest (fma(x, x, -that), at most 2**42 units): the lanes' sums of each part stay
  * below 2**53 of their units, exact too. */
-static void open_window(stats_lanes *s, int32_t top) {
+static int open_window(stats_lanes *s, int32_t top) {
     int least = (top >> 23 < (int32_t)(OVER_LEAST >> 23) ? top >> 23 : (int32_t)(OVER_LEAST >> 23)) - WINDOW;
     least = least > 1 ? least : 1;
     s->least = least;
@@ -568,6 +580,7 @@ static void open_window(stats_lanes *s, int32_t top) {
     s->magic = __builtin_ldexp(1.5, 52 + WINDOW_SPLIT + 2 * (least - 150));
     s->sum = s->high = s->low = (v8d){0};
     s->below_count = 0;
+    return top < (int32_t)OVER_LEAST; /* whether every value is ordinary */
 }
 
 /* Adds the window's counts and exact sums to the bins: the values per place in the window (from the tally of
@@ -626,6 +639,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     Py_ssize_t since_flush = 0;
 #if STATS_AVX512
     Py_ssize_t resume = 0;
+    int ordinary = 0; /* the block holds ordinary values alone */
 #endif
     stats_lanes lanes = {0};
     lanes.lo += inf;
@@ -636,14 +650,14 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
         v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
 #if STATS_AVX512
         if (avx512)
-            open_window(&lanes, block_top(x, first, end));
+            ordinary = open_window(&lanes, block_top(x, first, end));
 #endif
         for (Py_ssize_t i = first; i < end; i += 8) {
 #if STATS_AVX512
             if (avx512 && i >= resume && end - i >= 16) { /* the sums go through `lanes`, and come back */
                 lanes.base = base;
                 memcpy(lanes.err, err, sizeof err);
-                i = stats_run_avx512(x, i, end, &lanes, bins, STATS_K);
+                i = (ordinary ? stats_run_ordinary : stats_run_avx512)(x, i, end, &lanes, bins, STATS_K);
                 base = lanes.base;
                 memcpy(err, lanes.err, sizeof err);
                 if (i >= end)

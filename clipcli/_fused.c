@@ -271,8 +271,9 @@ static void release_buffers(int n, Py_buffer *views) {
  * below the window go to the bins. Every value is counted by its place in the window (E - least + 1; 0
  * below it, zeros included), two at a time: a tally of pairs of places, one 32-bit addition a pair from
  * scalar registers, read a group late (its places stored from a vector, not forwarded) and emptied into the
- * counts per E at the block's end (see close_window). So the two loops give the same counts, error sums and exact totals of x and x*x, but not
- * the same shares of those totals per E (the totals are what the sums per E are for).
+ * counts per E at the block's end (see close_window). So the two loops give the same counts, error sums and
+ * exact totals of x and x*x, but not the same shares of those totals per E (the totals are what the sums
+ * per E are for).
  */
 #define STATS_BLOCK 8192
 #define TARGETS 4
@@ -285,8 +286,8 @@ enum {
 #define ERROR_SUMS 9
 #define COPIES 4 /* copies of the bins: value i to copy i % 4, so that runs of one binade do not wait on one another */
 #define FLUSH_VALUES (1 << 18) /* 2**16 a copy: the sums of f * f stay below 2**62 */
-#define WINDOW 18       /* the AVX-512 loop's window: exponent fields from the block's largest (at most 464's) less 18 */
-#define WINDOW_SPLIT 43 /* its x*x split at 2**43 units: both parts' sums exact in float64 lanes (see stats_loop) */
+#define WINDOW 18       /* the AVX-512 loop's window: the exponent fields from a block's largest's less 18 on */
+#define WINDOW_SPLIT 43 /* its x*x split at 2**43 units: both parts' sums exact in float64 lanes (see open_window) */
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -466,10 +467,11 @@ static void below_window(stats_bins *bins, const float *x, uint32_t below) {
 
 /* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf or above 464,
  * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. The exact sums of
- * x and x*x of the values in the block's window (see stats_loop) go to float64 lanes, the others' to the
+ * x and x*x of the values in the block's window (see open_window) go to float64 lanes, the others' to the
  * bins; every value is tallied. */
 __attribute__((target("arch=x86-64-v4"), always_inline)) static inline Py_ssize_t
-stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k, int checked) {
+stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k,
+          int checked) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
     __m512i flush0 = (__m512i)s->flush[0], flush2 = (__m512i)s->flush[2], flush3 = (__m512i)s->flush[3];
@@ -494,7 +496,8 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
         lo = _mm512_min_ps(xf, lo); /* xf < lo ? xf : lo */
         hi = _mm512_max_ps(xf, hi);
         peak = _mm512_max_epi32(mag, peak);
-        __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8)); /* no extraction */
+        /* x in float64, converted from memory (not by extracting the upper half on the vectors' busiest port) */
+        __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
         base = _mm512_fmadd_pd(a, a, base);
         base = _mm512_fmadd_pd(b, b, base);
         AVX512_ERROR(0);
@@ -550,7 +553,8 @@ stats_run_ordinary(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s,
 }
 
 /* The largest magnitude bits among values [first, end) (a NaN's are the largest). */
-__attribute__((target("arch=x86-64-v4"), noipa)) static int32_t block_top(const float *x, Py_ssize_t first, Py_ssize_t end) {
+__attribute__((target("arch=x86-64-v4"), noipa)) static int32_t
+block_top(const float *x, Py_ssize_t first, Py_ssize_t end) {
     __m512i top = _mm512_setzero_si512(), abs = _mm512_set1_epi32(0x7FFFFFFF);
     Py_ssize_t i = first;
     for (; end - i >= 16; i += 16)

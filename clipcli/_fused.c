@@ -569,6 +569,14 @@ block_top(const float *x, Py_ssize_t first, Py_ssize_t end) {
     return best;
 }
 
+/* 2**k as a double, for k in [-1022, 1023] (no call into libm). */
+static inline double power_of_two(int k) {
+    uint64_t bits = (uint64_t)(k + 1023) << 52;
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* Sets the AVX-512 loop's window for a block whose largest magnitude bits are `top`: the exponent fields E
  * from least = max(min(top's, 464's) - WINDOW, 1) on. A value x there is a multiple of the unit 2**(least - 150)
  * and below 2**(WINDOW + 24) units, so that a lane's sum of the 1024 it takes of a block is exact in float64
@@ -581,7 +589,7 @@ static int open_window(stats_lanes *s, int32_t top) {
     least = least > 1 ? least : 1;
     s->least = least;
     s->below = (least << 23) - 2; /* from least << 23 itself on (its place is 1, not 0) */
-    s->magic = __builtin_ldexp(1.5, 52 + WINDOW_SPLIT + 2 * (least - 150));
+    s->magic = 1.5 * power_of_two(52 + WINDOW_SPLIT + 2 * (least - 150));
     s->sum = s->high = s->low = (v8d){0};
     s->below_count = 0;
     return top < (int32_t)OVER_LEAST; /* whether every value is ordinary */
@@ -614,10 +622,11 @@ __attribute__((target("arch=x86-64-v4"))) static void close_window(stats_lanes *
     for (int p = 1; p <= WINDOW + 1; p++)
         bins->counts[least + p - 1] += places[p];
     int64_t sum = 0, high = 0, low = 0;
+    double unit = power_of_two(150 - least), units = power_of_two(300 - 2 * least); /* exact scalings */
     for (int j = 0; j < 8; j++) {
-        sum += (int64_t)__builtin_ldexp(s->sum[j], 150 - least);
-        high += (int64_t)__builtin_ldexp(s->high[j], 300 - 2 * least - WINDOW_SPLIT);
-        low += (int64_t)__builtin_ldexp(s->low[j], 300 - 2 * least);
+        sum += (int64_t)(s->sum[j] * unit);
+        high += (int64_t)(s->high[j] * (units / power_of_two(WINDOW_SPLIT)));
+        low += (int64_t)(s->low[j] * units);
     }
     for (int d = 0; d < 3; d++) {
         int64_t digit = d < 2 ? sum % (1 << 24) : sum; /* C's %: the sign of the sum */

@@ -287,6 +287,7 @@ enum {
 #define COPIES 4 /* copies of the bins: value i to copy i % 4, so that runs of one binade do not wait on one another */
 #define FLUSH_VALUES (1 << 18) /* 2**16 a copy: the sums of f * f stay below 2**62 */
 #define WINDOW 18       /* the AVX-512 loop's window: the exponent fields from a block's largest's less 18 on */
+#define SPREAD (STATS_BLOCK / 16) /* a block with more values below its window takes the bins (see stats_run) */
 #define WINDOW_SPLIT 43 /* its x*x split at 2**43 units: both parts' sums exact in float64 lanes (see open_window) */
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -386,6 +387,7 @@ typedef struct {
     int32_t below;      /* (the window's least exponent field << 23) - 2: magnitudes m with m - 1 above it lie in it */
     int32_t least;      /* that exponent field */
     int64_t below_count; /* the block's values below the window */
+    int64_t spread;      /* those, counted whether or not the window was used */
 } stats_lanes;
 
 /* The subnormals among sixteen magnitudes (a mask `is_sub` of them): their bins by bit length, and
@@ -471,7 +473,7 @@ static void below_window(stats_bins *bins, const float *x, uint32_t below) {
  * bins; every value is tallied. */
 __attribute__((target("arch=x86-64-v4"), always_inline)) static inline Py_ssize_t
 stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k,
-          int checked) {
+          int checked, int windowed) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
     __m512i flush0 = (__m512i)s->flush[0], flush2 = (__m512i)s->flush[2], flush3 = (__m512i)s->flush[3];
@@ -506,6 +508,17 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
         AVX512_ERROR(3);
         /* the window: zeros (mag - 1 wraps) and the exponent fields from the least on */
         __mmask16 in = _mm512_cmpgt_epu32_mask(mag1, below);
+        if (!windowed) { /* a block of values spread far below their largest: the bins take them all */
+            __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag1, K(K_FRACTION));
+            if (is_sub) {
+                int32_t m[16];
+                _mm512_storeu_si512(m, mag);
+                count_subnormals(s, bins, m, is_sub);
+            }
+            add_to_bins(bins, x + i, 16);
+            s->spread += __builtin_popcount(in ^ 0xFFFFu); /* to tell whether the next block is spread too */
+            continue;
+        }
         __mmask8 in_a = (__mmask8)in, in_b = (__mmask8)_kshiftri_mask16(in, 8);
         sum = _mm512_mask_add_pd(sum, in_a, sum, a);
         sum = _mm512_mask_add_pd(sum, in_b, sum, b);
@@ -524,6 +537,7 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
             }
             below_window(bins, x + i, in ^ 0xFFFFu);
             s->below_count += __builtin_popcount(in ^ 0xFFFFu);
+            s->spread += __builtin_popcount(in ^ 0xFFFFu);
         }
         /* each value's place in the window, E - least + 1 (0: below it, or zero), and pairs of them tallied
          * from scalar registers (they have ports to spare, the vectors have not), a group late: the places
@@ -541,15 +555,22 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
 }
 
 /* stats_run for values that may hold NaN, inf or values above 464 (it stops before the first group that
- * does), and for a run of ordinary values alone (a block whose largest magnitude is ordinary: no test). */
+ * does), for a run of ordinary values alone (a block whose largest magnitude is ordinary: no test), and for
+ * a block spread far below its largest (the block before had more than SPREAD values below its window: the
+ * bins take every value, as in the generic loop, and the window's sums stay empty). */
 __attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
 stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
-    return stats_run(x, i, end, s, bins, k, 1);
+    return stats_run(x, i, end, s, bins, k, 1, 1);
 }
 
 __attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
 stats_run_ordinary(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
-    return stats_run(x, i, end, s, bins, k, 0);
+    return stats_run(x, i, end, s, bins, k, 0, 1);
+}
+
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
+stats_run_spread(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+    return stats_run(x, i, end, s, bins, k, 1, 0);
 }
 
 /* The largest magnitude bits among values [first, end) (a NaN's are the largest). */
@@ -591,7 +612,7 @@ static int open_window(stats_lanes *s, int32_t top) {
     s->below = (least << 23) - 2; /* from least << 23 itself on (its place is 1, not 0) */
     s->magic = 1.5 * power_of_two(52 + WINDOW_SPLIT + 2 * (least - 150));
     s->sum = s->high = s->low = (v8d){0};
-    s->below_count = 0;
+    s->below_count = s->spread = 0;
     return top < (int32_t)OVER_LEAST; /* whether every value is ordinary */
 }
 
@@ -652,7 +673,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     Py_ssize_t since_flush = 0;
 #if STATS_AVX512
     Py_ssize_t resume = 0;
-    int ordinary = 0; /* the block holds ordinary values alone */
+    int ordinary = 0, spread = 0; /* the block holds ordinary values alone; the block before was spread */
 #endif
     stats_lanes lanes = {0};
     lanes.lo += inf;
@@ -670,7 +691,8 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
             if (avx512 && i >= resume && end - i >= 16) { /* the sums go through `lanes`, and come back */
                 lanes.base = base;
                 memcpy(lanes.err, err, sizeof err);
-                i = (ordinary ? stats_run_ordinary : stats_run_avx512)(x, i, end, &lanes, bins, STATS_K);
+                i = (spread ? stats_run_spread : ordinary ? stats_run_ordinary : stats_run_avx512)(x, i, end, &lanes, bins,
+                                                                                              STATS_K);
                 base = lanes.base;
                 memcpy(err, lanes.err, sizeof err);
                 if (i >= end)
@@ -741,8 +763,10 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
                 add_to_bins(bins, x + i, k);
         }
 #if STATS_AVX512
-        if (avx512)
+        if (avx512) {
             close_window(&lanes, bins);
+            spread = lanes.spread > SPREAD;
+        }
 #endif
         double *row = errors + (first / STATS_BLOCK) * ERROR_SUMS;
         row[0] = lanes8(base);

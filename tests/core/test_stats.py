@@ -501,6 +501,17 @@ def test_the_avx512_loop_gives_the_bits_of_the_generic_loop(monkeypatch, seed):
 
 
 @needs_loops
+def test_the_avx512_loop_gives_the_bits_of_the_generic_loop_for_values_spread_far_below_their_largest():
+    # a block with many values below its window makes the next one take the bins for all values, until a block
+    # has few again: spread blocks, then narrow ones, then spread again
+    rng = np.random.default_rng(3)
+    spread = (rng.choice([-1.0, 1.0], 2 * BLOCK) * np.exp2(rng.uniform(-60, 0, 2 * BLOCK))).astype(np.float32)
+    t = np.concatenate([spread, weights32(2 * BLOCK + 5, 4), spread[: BLOCK + 40], planted32(BLOCK, 5)])
+    assert_same_runs(fused_runs(t))
+    assert_same_runs(fused_runs(-t))
+
+
+@needs_loops
 @pytest.mark.parametrize("top", [0x43E7FFFF, 0x3F7FFFFF, 0x0C7FFFFF, 0x057FFFFF])
 def test_the_avx512_window_sums_stay_exact_at_their_bounds(monkeypatch, top):
     # the AVX-512 loop sums a block's values whose exponent field lies within 18 of the largest's (464's at

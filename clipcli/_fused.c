@@ -273,7 +273,8 @@ static void release_buffers(int n, Py_buffer *views) {
  * scalar registers, read a group late (its places stored from a vector, not forwarded) and emptied into the
  * counts per E at the block's end (see close_window). So the two loops give the same counts, error sums and
  * exact totals of x and x*x, but not the same shares of those totals per E (the totals are what the sums
- * per E are for).
+ * per E are for). A block after one with more than SPREAD values below its window (values spread over many
+ * binades, which the window's rare path would take one at a time) takes the bins for every value instead.
  */
 #define STATS_BLOCK 8192
 #define TARGETS 4

@@ -231,8 +231,10 @@ static void release_buffers(int n, Py_buffer *views) {
  * value is +-m * 2**(max(E, 1) - 150)). Added into `out` (int64, STATS_LEN: a running total over calls;
  * fresh, it holds zeros but for the smallest value, +inf's bits, the largest, -inf's, and the peak, -1):
  *   [0, 256)      values per E (E = 0: zeros and subnormals; 255: inf and NaN);
- *   [256, 512)    per E, the sum of +-m (int64: exact for 2**39 values);
- *   [512, 768), [768, 1024): per E, the sum of m*m, its low and high 64 bits (an unsigned 128-bit sum);
+ *   [256, 512)    per E, the sum of +-m (int64: exact for 2**39 values; the AVX-512 loop's shares differ,
+ *                 see below: only the total, the sum over E of these times 2**(max(E, 1) - 150), is the contract);
+ *   [512, 768), [768, 1024): per E, the sum of m*m, its low and high 64 bits (an unsigned 128-bit sum; the
+ *                 total as for the sums);
  *   [1024, 1047)  subnormals by the bit length of m, less one (k: m in [2**k, 2**(k + 1)));
  *   then NaN, +inf, -inf, zeros (+-0), subnormals; the float32 bits of the smallest and the largest value
  *   (NaN aside); the largest magnitude's bits and its first flat index (`start` is the first value's; the
@@ -262,7 +264,17 @@ static void release_buffers(int n, Py_buffer *views) {
  * ordinary values (no NaN, inf or value above 464), in the generic loop's place. It adds into the same
  * sums in the same order (a fused multiply-add of an exact square rounds once, as the addition does), keeps
  * counts, extremes and bfloat16's counts of its own, added in at the end, and takes its zeros as the bins'
- * values of E = 0, less the subnormals and the generic loop's zeros.
+ * values of E = 0, less the subnormals and the generic loop's zeros. Its exact sums differ in form only:
+ * the values of a block's window (the exponent fields from its largest's, 464's at most, less WINDOW; and
+ * zeros) are summed, x and x*x, in float64 lanes, exactly (see open_window), and added to the totals per E
+ * at the window's least field (x's sum as three signed 24-bit digits, 24 fields apart); only the values
+ * below the window go to the bins. Every value is counted by its place in the window (E - least + 1; 0
+ * below it, zeros included), two at a time: a tally of pairs of places, one 32-bit addition a pair from
+ * scalar registers, read a group late (its places stored from a vector, not forwarded) and emptied into the
+ * counts per E at the block's end (see close_window). So the two loops give the same counts, error sums and
+ * exact totals of x and x*x, but not the same shares of those totals per E (the totals are what the sums
+ * per E are for). A block after one with more than SPREAD values below its window (values spread over many
+ * binades, which the window's rare path would take one at a time) takes the bins for every value instead.
  */
 #define STATS_BLOCK 8192
 #define TARGETS 4
@@ -275,6 +287,9 @@ enum {
 #define ERROR_SUMS 9
 #define COPIES 4 /* copies of the bins: value i to copy i % 4, so that runs of one binade do not wait on one another */
 #define FLUSH_VALUES (1 << 18) /* 2**16 a copy: the sums of f * f stay below 2**62 */
+#define WINDOW 18       /* the AVX-512 loop's window: the exponent fields from a block's largest's less 18 on */
+#define SPREAD (STATS_BLOCK / 16) /* a block with more values below its window takes the bins (see stats_run) */
+#define WINDOW_SPLIT 43 /* its x*x split at 2**43 units: both parts' sums exact in float64 lanes (see open_window) */
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -301,6 +316,7 @@ static const uint32_t NORMAL[TARGETS] = {0x387FE000, 0x7F8000, 0x3C700000, 0x386
 typedef struct {
     /* by u >> 23 (sign and E): the count and the sum of f packed, and the sum of f * f, side by side */
     uint64_t pairs[COPIES][512 + 4][2] __attribute__((aligned(16)));
+    uint32_t tally[2][32 * 32]; /* the AVX-512 loop's counts of pairs of values by their places in the window */
     int64_t counts[256], sums[256];
     unsigned __int128 square_sums[256];
     int64_t subnormal[SUBNORMAL_BINS];
@@ -367,6 +383,12 @@ typedef struct {
     v16i flush[TARGETS], normal[TARGETS], peak; /* below a threshold: zeros included */
     v16f lo, hi;
     int64_t flush1, normal1;
+    v8d sum, high, low; /* the block's window: sum of x; sum of x*x as high + low parts (see the AVX-512 loop) */
+    double magic;       /* 1.5 * 2**(52 + WINDOW_SPLIT) units of x*x */
+    int32_t below;      /* (the window's least exponent field << 23) - 2: magnitudes m with m - 1 above it lie in it */
+    int32_t least;      /* that exponent field */
+    int64_t below_count; /* the block's values below the window */
+    int64_t spread;      /* those, counted whether or not the window was used */
 } stats_lanes;
 
 /* The subnormals among sixteen magnitudes (a mask `is_sub` of them): their bins by bit length, and
@@ -410,7 +432,14 @@ static const int32_t STATS_K[K_LEN] = {
         normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, K(K_NORMAL + T)), normal##T, one); \
     } while (0)
 
+/* The lanes given back (and the last group's places tallied). */
 #define STORE_LANES() \
+    if (pending) \
+        for (int j = 0; j < 16; j += 2) \
+            bins->tally[j >> 1 & 1][places[(~i >> 4 & 1) * 16 + j]]++; \
+    s->sum = (v8d)sum; \
+    s->high = (v8d)high; \
+    s->low = (v8d)low; \
     s->base = (v8d)base; \
     s->err[0] = (v8d)err0; \
     s->err[1] = (v8d)err1; \
@@ -426,23 +455,43 @@ static const int32_t STATS_K[K_LEN] = {
     s->lo = (v16f)lo; \
     s->hi = (v16f)hi;
 
+/* Adds the values of a group of sixteen below the window (a mask `below` of them) to the bins as the generic
+ * loop does (they are tallied too, in place 0 of the window: see close_window). */
+static void below_window(stats_bins *bins, const float *x, uint32_t below) {
+    for (; below; below &= below - 1) {
+        int j = __builtin_ctz(below);
+        uint32_t b;
+        memcpy(&b, x + j, sizeof b);
+        uint64_t f = b & 0x7FFFFF;
+        bins->pairs[j & 3][b >> 23][0] += f + ((uint64_t)1 << 41);
+        bins->pairs[j & 3][b >> 23][1] += f * f;
+    }
+}
+
 /* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf or above 464,
- * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. */
-__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
-stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+ * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. The exact sums of
+ * x and x*x of the values in the block's window (see open_window) go to float64 lanes, the others' to the
+ * bins; every value is tallied. */
+__attribute__((target("arch=x86-64-v4"), always_inline)) static inline Py_ssize_t
+stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k,
+          int checked, int windowed) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
     __m512i flush0 = (__m512i)s->flush[0], flush2 = (__m512i)s->flush[2], flush3 = (__m512i)s->flush[3];
     __m512i normal0 = (__m512i)s->normal[0], normal2 = (__m512i)s->normal[2], normal3 = (__m512i)s->normal[3];
-    __m512i peak = (__m512i)s->peak, one = K(K_ONE);
+    __m512i peak = (__m512i)s->peak, one = K(K_ONE), below = _mm512_set1_epi32(s->below);
     __m512 lo = (__m512)s->lo, hi = (__m512)s->hi;
+    __m512d sum = (__m512d)s->sum, high = (__m512d)s->high, low = (__m512d)s->low, magic = _mm512_set1_pd(s->magic);
+    __m512i field = _mm512_set1_epi32(s->least - 1);
+    uint32_t places[32] __attribute__((aligned(64))); /* two groups' places, in turn */
+    int pending = 0;                                  /* the group before's places are not yet tallied */
     for (; end - i >= 16; i += 16) {
         __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, K(K_ABS));
-        if (_mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
+        if (checked && _mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
             STORE_LANES();
             return i;
         }
-        __m512i expo = _mm512_and_si512(mag, K(K_EXPONENT));
+        __m512i expo = _mm512_and_si512(mag, K(K_EXPONENT)), mag1 = _mm512_sub_epi32(mag, one);
         __m512 fm = _mm512_castsi512_ps(mag), xf = _mm512_castsi512_ps(u);
         AVX512_BELOW(0);
         AVX512_BELOW(2);
@@ -450,23 +499,163 @@ stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, s
         lo = _mm512_min_ps(xf, lo); /* xf < lo ? xf : lo */
         hi = _mm512_max_ps(xf, hi);
         peak = _mm512_max_epi32(mag, peak);
-        __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(fm)), b = _mm512_cvtps_pd(_mm512_extractf32x8_ps(fm, 1));
+        /* x in float64, converted from memory (not by extracting the upper half on the vectors' busiest port) */
+        __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
         base = _mm512_fmadd_pd(a, a, base);
         base = _mm512_fmadd_pd(b, b, base);
         AVX512_ERROR(0);
         AVX512_ERROR(1);
         AVX512_ERROR(2);
         AVX512_ERROR(3);
-        __mmask16 is_sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, one), K(K_FRACTION));
-        if (is_sub) {
-            int32_t m[16];
-            _mm512_storeu_si512(m, mag);
-            count_subnormals(s, bins, m, is_sub);
+        /* the window: zeros (mag - 1 wraps) and the exponent fields from the least on */
+        __mmask16 in = _mm512_cmpgt_epu32_mask(mag1, below);
+        if (!windowed) { /* a block of values spread far below their largest: the bins take them all */
+            __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag1, K(K_FRACTION));
+            if (is_sub) {
+                int32_t m[16];
+                _mm512_storeu_si512(m, mag);
+                count_subnormals(s, bins, m, is_sub);
+            }
+            add_to_bins(bins, x + i, 16);
+            s->spread += __builtin_popcount(in ^ 0xFFFFu); /* to tell whether the next block is spread too */
+            continue;
         }
-        add_to_bins(bins, x + i, 16); /* in scalar registers: they have ports to spare, the vectors have not */
+        __mmask8 in_a = (__mmask8)in, in_b = (__mmask8)_kshiftri_mask16(in, 8);
+        sum = _mm512_mask_add_pd(sum, in_a, sum, a);
+        sum = _mm512_mask_add_pd(sum, in_b, sum, b);
+        __m512d top_a = _mm512_sub_pd(_mm512_fmadd_pd(a, a, magic), magic); /* x*x to a multiple of 2**SPLIT units */
+        __m512d top_b = _mm512_sub_pd(_mm512_fmadd_pd(b, b, magic), magic);
+        high = _mm512_mask_add_pd(high, in_a, high, top_a);
+        high = _mm512_mask_add_pd(high, in_b, high, top_b);
+        low = _mm512_mask_add_pd(low, in_a, low, _mm512_fmsub_pd(a, a, top_a)); /* the rest, exact */
+        low = _mm512_mask_add_pd(low, in_b, low, _mm512_fmsub_pd(b, b, top_b));
+        if (in != 0xFFFF) { /* below the window: subnormals, and normals far below the block's largest */
+            __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag1, K(K_FRACTION));
+            if (is_sub) {
+                int32_t m[16];
+                _mm512_storeu_si512(m, mag);
+                count_subnormals(s, bins, m, is_sub);
+            }
+            below_window(bins, x + i, in ^ 0xFFFFu);
+            s->below_count += __builtin_popcount(in ^ 0xFFFFu);
+            s->spread += __builtin_popcount(in ^ 0xFFFFu);
+        }
+        /* each value's place in the window, E - least + 1 (0: below it, or zero), and pairs of them tallied
+         * from scalar registers (they have ports to spare, the vectors have not), a group late: the places
+         * stored, even | odd << 5, are read back from memory once the store is done */
+        __m512i place = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(mag, 23), field), _mm512_setzero_si512());
+        if (pending)
+            for (int j = 0; j < 16; j += 2)
+                bins->tally[j >> 1 & 1][places[(~i >> 4 & 1) * 16 + j]]++; /* the group before's */
+        _mm512_store_si512(places + (i >> 4 & 1) * 16, _mm512_or_si512(place, _mm512_srli_epi64(place, 27)));
+        __asm__ volatile("" ::: "memory"); /* not extracted on the vectors' ports instead */
+        pending = 1;
     }
     STORE_LANES();
     return i;
+}
+
+/* stats_run for values that may hold NaN, inf or values above 464 (it stops before the first group that
+ * does), for a run of ordinary values alone (a block whose largest magnitude is ordinary: no test), and for
+ * a block spread far below its largest (the block before had more than SPREAD values below its window: the
+ * bins take every value, as in the generic loop, and the window's sums stay empty). */
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
+stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+    return stats_run(x, i, end, s, bins, k, 1, 1);
+}
+
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
+stats_run_ordinary(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+    return stats_run(x, i, end, s, bins, k, 0, 1);
+}
+
+__attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
+stats_run_spread(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
+    return stats_run(x, i, end, s, bins, k, 1, 0);
+}
+
+/* The largest magnitude bits among values [first, end) (a NaN's are the largest). */
+__attribute__((target("arch=x86-64-v4"), noipa)) static int32_t
+block_top(const float *x, Py_ssize_t first, Py_ssize_t end) {
+    __m512i top = _mm512_setzero_si512(), abs = _mm512_set1_epi32(0x7FFFFFFF);
+    Py_ssize_t i = first;
+    for (; end - i >= 16; i += 16)
+        top = _mm512_max_epi32(top, _mm512_and_si512(_mm512_loadu_si512(x + i), abs));
+    int32_t best = _mm512_reduce_max_epi32(top);
+    for (; i < end; i++) {
+        int32_t v;
+        memcpy(&v, x + i, sizeof v);
+        v &= 0x7FFFFFFF;
+        best = v > best ? v : best;
+    }
+    return best;
+}
+
+/* 2**k as a double, for k in [-1022, 1023] (no call into libm). */
+static inline double power_of_two(int k) {
+    uint64_t bits = (uint64_t)(k + 1023) << 52;
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* Sets the AVX-512 loop's window for a block whose largest magnitude bits are `top`: the exponent fields E
+ * from least = max(min(top's, 464's) - WINDOW, 1) on. A value x there is a multiple of the unit 2**(least - 150)
+ * and below 2**(WINDOW + 24) units, so that a lane's sum of the 1024 it takes of a block is exact in float64
+ * (below 2**52 units). x*x, a multiple of the unit squared below 2**84 of them, is split into a multiple of
+ * 2**WINDOW_SPLIT units (fma(x, x, C) - C, C = 1.5 * 2**(52 + WINDOW_SPLIT) units: rounding at C's last
+ * place) and the exact rest (fma(x, x, -that), at most 2**42 units): the lanes' sums of each part stay
+ * below 2**53 of their units, exact too. */
+static int open_window(stats_lanes *s, int32_t top) {
+    int least = (top >> 23 < (int32_t)(OVER_LEAST >> 23) ? top >> 23 : (int32_t)(OVER_LEAST >> 23)) - WINDOW;
+    least = least > 1 ? least : 1;
+    s->least = least;
+    s->below = (least << 23) - 2; /* from least << 23 itself on (its place is 1, not 0) */
+    s->magic = 1.5 * power_of_two(52 + WINDOW_SPLIT + 2 * (least - 150));
+    s->sum = s->high = s->low = (v8d){0};
+    s->below_count = s->spread = 0;
+    return top < (int32_t)OVER_LEAST; /* whether every value is ordinary */
+}
+
+/* Adds the window's counts and exact sums to the bins: the values per place in the window (from the tally of
+ * pairs, emptied: place 0, less the values below the window, the bins have already, holds zeros), the sum of
+ * x in units 2**(least - 150) as three signed digits of 24 bits at exponent fields least, least + 24 and
+ * least + 48 (so that a bin's int64 sum holds no more than a value's share a block), the sum of x*x in units
+ * squared at least. */
+__attribute__((target("arch=x86-64-v4"))) static void close_window(stats_lanes *s, stats_bins *bins) {
+    int least = s->least;
+    uint32_t places[32] __attribute__((aligned(64))) = {0}; /* below 2**13 a block */
+    __m512i even_lo = _mm512_setzero_si512(), even_hi = even_lo;
+    for (int odd = 0; odd <= WINDOW + 1; odd++) { /* places beyond WINDOW + 1 hold nothing */
+        uint32_t *t0 = bins->tally[0] + (odd << 5), *t1 = bins->tally[1] + (odd << 5);
+        __m512i lo = _mm512_add_epi32(_mm512_loadu_si512(t0), _mm512_loadu_si512(t1));
+        __m512i hi = _mm512_add_epi32(_mm512_loadu_si512(t0 + 16), _mm512_loadu_si512(t1 + 16));
+        even_lo = _mm512_add_epi32(even_lo, lo);
+        even_hi = _mm512_add_epi32(even_hi, hi);
+        places[odd] += (uint32_t)_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+        _mm512_storeu_si512(t0, _mm512_setzero_si512());
+        _mm512_storeu_si512(t0 + 16, _mm512_setzero_si512());
+        _mm512_storeu_si512(t1, _mm512_setzero_si512());
+        _mm512_storeu_si512(t1 + 16, _mm512_setzero_si512());
+    }
+    _mm512_store_si512(places, _mm512_add_epi32(_mm512_load_si512(places), even_lo));
+    _mm512_store_si512(places + 16, _mm512_add_epi32(_mm512_load_si512(places + 16), even_hi));
+    bins->counts[0] += places[0] - s->below_count;
+    for (int p = 1; p <= WINDOW + 1; p++)
+        bins->counts[least + p - 1] += places[p];
+    int64_t sum = 0, high = 0, low = 0;
+    double unit = power_of_two(150 - least), units = power_of_two(300 - 2 * least); /* exact scalings */
+    for (int j = 0; j < 8; j++) {
+        sum += (int64_t)(s->sum[j] * unit);
+        high += (int64_t)(s->high[j] * (units / power_of_two(WINDOW_SPLIT)));
+        low += (int64_t)(s->low[j] * units);
+    }
+    for (int d = 0; d < 3; d++) {
+        int64_t digit = d < 2 ? sum % (1 << 24) : sum; /* C's %: the sign of the sum */
+        bins->sums[least + 24 * d] += digit;
+        sum = (sum - digit) / (1 << 24);
+    }
+    bins->square_sums[least] += (unsigned __int128)(((__int128)high << WINDOW_SPLIT) + low);
 }
 #endif
 
@@ -485,6 +674,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     Py_ssize_t since_flush = 0;
 #if STATS_AVX512
     Py_ssize_t resume = 0;
+    int ordinary = 0, spread = 0; /* the block holds ordinary values alone; the block before was spread */
 #endif
     stats_lanes lanes = {0};
     lanes.lo += inf;
@@ -493,12 +683,17 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     for (Py_ssize_t first = 0; first < n; first += STATS_BLOCK) {
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
         v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
+#if STATS_AVX512
+        if (avx512)
+            ordinary = open_window(&lanes, block_top(x, first, end));
+#endif
         for (Py_ssize_t i = first; i < end; i += 8) {
 #if STATS_AVX512
             if (avx512 && i >= resume && end - i >= 16) { /* the sums go through `lanes`, and come back */
                 lanes.base = base;
                 memcpy(lanes.err, err, sizeof err);
-                i = stats_run_avx512(x, i, end, &lanes, bins, STATS_K);
+                i = (spread ? stats_run_spread : ordinary ? stats_run_ordinary : stats_run_avx512)(x, i, end, &lanes, bins,
+                                                                                              STATS_K);
                 base = lanes.base;
                 memcpy(err, lanes.err, sizeof err);
                 if (i >= end)
@@ -568,6 +763,12 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
             else
                 add_to_bins(bins, x + i, k);
         }
+#if STATS_AVX512
+        if (avx512) {
+            close_window(&lanes, bins);
+            spread = lanes.spread > SPREAD;
+        }
+#endif
         double *row = errors + (first / STATS_BLOCK) * ERROR_SUMS;
         row[0] = lanes8(base);
         for (int t = 0; t < TARGETS; t++) {

@@ -290,7 +290,7 @@ class StatsAccumulator:
         self._bins[_OFFSET - 125 : _OFFSET + 129] += out[1:255]  # float32's exponent fields 1-254
         self._bins[_OFFSET - 148 : _OFFSET - 125] += out[STATS_SUBNORMAL:STATS_SCALARS]
         self._bins[_OFFSET] += zeros + nan + posinf + neginf  # as frexp gives them, for `_exponents`
-        for e in np.flatnonzero(out[:255]).tolist():
+        for e in np.flatnonzero(out[:255] | out[256:511] | out[512:767] | out[768:1023]).tolist():  # sums may lie apart
             unit = max(e, 1) - 150  # a value is its significand times 2**unit
             total = int(out[256 + e])
             if total >= 0:

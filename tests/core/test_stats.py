@@ -456,25 +456,82 @@ def weights32(n: int, seed: int) -> np.ndarray:
     return v
 
 
+def fused_totals(out: np.ndarray) -> tuple[int, int]:
+    """Σx · 2**149 and Σx² · 2**298 from `_fused.stats_f32`'s sums per exponent field (exact integers)."""
+    shift = [max(e, 1) - 1 for e in range(255)]
+    total = sum(int(out[256 + e]) << shift[e] for e in range(255))
+    squares = sum(((int(out[768 + e]) % 2**64) << 64 | int(out[512 + e]) % 2**64) << 2 * shift[e] for e in range(255))
+    return total, squares
+
+
+def fused_runs(t: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`_fused.stats_f32`'s counts and error rows of t from the AVX-512 loop (where the machine has it) and the
+    generic one."""
+    runs = []
+    for wide in (True, False):
+        out, errors = blocks.fused_stats_state(), np.zeros(((t.size + BLOCK - 1) // BLOCK, 9))
+        blocks._fused.stats_f32(t, out, errors, 5, wide)
+        runs.append((out, errors))
+    return runs
+
+
+def assert_same_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """The two loops' counts, extremes and error sums are the same bits, and their exact sums the same numbers
+    (the AVX-512 loop puts the sums of the values in a block's window apart from the others': the shares per
+    exponent field differ)."""
+    (wide, wide_errors), (generic, generic_errors) = runs
+    assert np.array_equal(wide[:256], generic[:256])
+    assert np.array_equal(wide[1024:], generic[1024:])
+    assert fused_totals(wide) == fused_totals(generic)
+    assert wide_errors.tobytes() == generic_errors.tobytes()
+
+
 @needs_loops
 @pytest.mark.parametrize("seed", range(3))
 def test_the_avx512_loop_gives_the_bits_of_the_generic_loop(monkeypatch, seed):
     # the AVX-512 loop (where the machine has it) takes the runs of ordinary values; wide=False leaves all to
-    # the generic loop: counts, sums, extremes and every error sum must be the same bits, and NumPy's
+    # the generic loop: counts, exact sums, extremes and every error sum must be the same, and NumPy's
     t = weights32(3 * BLOCK + 1001, seed)
-    rows = (t.size + BLOCK - 1) // BLOCK
-    runs = []
-    for wide in (True, False):
-        out, errors = blocks.fused_stats_state(), np.zeros((rows, 9))
-        blocks._fused.stats_f32(t, out, errors, 5, wide)
-        runs.append((out, errors))
-    assert np.array_equal(runs[0][0], runs[1][0])
-    assert runs[0][1].tobytes() == runs[1][1].tobytes()
+    assert_same_runs(fused_runs(t))
     cuts = [16, BLOCK + 24, 2 * BLOCK + 8]
     fused = fed(t, cuts, [2, 0, 3, 1])
     assert repr(fused) == repr(without_loops(monkeypatch, fed, t, cuts, [1, 3, 0, 2]))
     with np.errstate(invalid="ignore"):  # the reference widens signalling NaNs
         assert_matches(fused, reference(t), t)
+
+
+@needs_loops
+def test_the_avx512_loop_gives_the_bits_of_the_generic_loop_for_values_spread_far_below_their_largest():
+    # a block with many values below its window makes the next one take the bins for all values, until a block
+    # has few again: spread blocks, then narrow ones, then spread again
+    rng = np.random.default_rng(3)
+    spread = (rng.choice([-1.0, 1.0], 2 * BLOCK) * np.exp2(rng.uniform(-60, 0, 2 * BLOCK))).astype(np.float32)
+    t = np.concatenate([spread, weights32(2 * BLOCK + 5, 4), spread[: BLOCK + 40], planted32(BLOCK, 5)])
+    assert_same_runs(fused_runs(t))
+    assert_same_runs(fused_runs(-t))
+
+
+@needs_loops
+@pytest.mark.parametrize("top", [0x43E7FFFF, 0x3F7FFFFF, 0x0C7FFFFF, 0x057FFFFF])
+def test_the_avx512_window_sums_stay_exact_at_their_bounds(monkeypatch, top):
+    # the AVX-512 loop sums a block's values whose exponent field lies within 18 of the largest's (464's at
+    # most) in float64 lanes: blocks of the largest significands of one sign at the window's top and bottom,
+    # and just below it (those go to the bins), must keep every bit of the exact sums
+    e = top >> 23
+    rows = []
+    for fields in ([e], [e, e - 18], [e, e - 18, e - 19], [e - 18, e - 19, 1, 0]):
+        # the largest significand of each field, and a power of two (its least) at the window's edges
+        bits = np.array([max(f, 0) << 23 | 0x7FFFFF for f in fields] + [max(f, 0) << 23 for f in fields[1:]], np.uint32)
+        rows.append(np.resize(bits, BLOCK))
+    t = np.concatenate(rows).view(np.float32)
+    for x in (t, -t):
+        runs = fused_runs(x)
+        assert_same_runs(runs)
+        total, squares = fused_totals(runs[0][0])
+        exact = [Fraction(float(v)) for v in x]
+        assert Fraction(total, 2**149) == sum(exact)
+        assert Fraction(squares, 2**298) == sum(v * v for v in exact)
+        assert repr(tensor_stats(x)) == repr(without_loops(monkeypatch, tensor_stats, x))
 
 
 def test_cast_errors_beside_values_that_overflow_keep_their_precision():

@@ -142,3 +142,27 @@ def test_the_metadata_file_named_alone_names_the_directory_to_give():
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "the metadata of a distributed checkpoint" in lines[0], lines
     assert f"name its directory ({TESTS_DATA / 'dcp' / 'single'}) instead" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("metadata", "what"),
+    [
+        (b"", "the pickle ends at byte 0 without a STOP opcode"),
+        (b"garbage\n", "malformed pickle: bad GET at byte 0 (ValueError)"),
+        (b"\x80\x02cargparse\nNamespace\n)R.", "the pickle holds an argparse.Namespace object, not a distributed"),
+    ],
+)
+def test_a_damaged_metadata_beside_distcp_files_is_named_as_such(tmp_path, metadata, what):
+    # found by a new user: such a directory was "no distributed checkpoint (.metadata)", and verify exited 3
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "single", ckpt)
+    (ckpt / ".metadata").write_bytes(metadata)
+    done = run("inspect", ckpt)
+    assert done.exit_code == 3 and done.stderr.startswith(f"clipcli: error: {ckpt / '.metadata'}: {what}")
+    assert done.stderr.count("\n") == 1
+    found = run("verify", ckpt, "--format", "json")  # a defect found: exit 1, as for a truncated .metadata
+    assert found.exit_code == 1
+    (finding,) = json.loads(found.stdout)["findings"]
+    assert finding["kind"] == "malformed" and finding["problem"].startswith(what)
+    (ckpt / ".metadata").unlink()  # without one it is no distributed checkpoint
+    assert run("inspect", ckpt).exit_code == 3

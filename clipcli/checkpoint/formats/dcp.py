@@ -312,7 +312,7 @@ def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
         items = _state_dict_items(root)
         files = Files(directory, storage_locations(root), where, store, collect=True)
     except MalformedError as e:
-        return [Finding.of(e, "metadata", where)]
+        return [Finding.of(e, "malformed", where)]
     out = []
     for fqn, entry in items:
         try:

@@ -112,7 +112,8 @@ def test_an_input_cut_short_while_copied_is_refused_and_nothing_is_written(tmp_p
     real = os.copy_file_range
 
     def cut(src_fd, dst, count, offset_src=None, offset_dst=None):
-        os.truncate(src, offset_src + 1000)  # another program shortens the input between header and data
+        if os.path.getsize(src) > offset_src + 1000:  # once (truncating again would extend the file)
+            os.truncate(src, offset_src + 1000)  # another program shortens the input between header and data
         return real(src_fd, dst, count, offset_src, offset_dst)
 
     monkeypatch.setattr(os, "copy_file_range", cut)

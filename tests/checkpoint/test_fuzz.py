@@ -236,8 +236,9 @@ def compact_headers(draw) -> bytes:
     pairs: list[tuple[str, str]] = []
     offset = 0
     for i in range(draw(st.integers(1, 4))):
-        count = draw(st.integers(1, 3))
-        fields = ['"dtype":"F32"', f'"shape":[{count}]', f'"data_offsets":[{offset},{offset + 4 * count}]']
+        count = draw(st.integers(1, 2))  # (shapes alike: one of floats or booleans among them)
+        dim = draw(st.sampled_from([str(count)] * 6 + [f"{count}.0", "true", f"{count},1", "-1"]))  # (one shape)
+        fields = ['"dtype":"F32"', f'"shape":[{dim}]', f'"data_offsets":[{offset},{offset + 4 * count}]']
         offset += 4 * count
         if draw(st.integers(0, 3)) == 0:
             fields.insert(draw(st.integers(0, 3)), draw(st.sampled_from(fields)))

@@ -227,6 +227,7 @@ class _Plain(dict):  # type: ignore[type-arg]
 _FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
 _DTYPE, _SHAPE, _OFFSETS = map(operator.itemgetter, ("dtype", "shape", "data_offsets"))
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_BITS = operator.attrgetter("bits")
 
 
 def _plain(text: str, ints: dict[str, Any]) -> _Plain | None:
@@ -276,13 +277,21 @@ def _plain_entries(header: _Plain, base: int) -> list[Entry] | None:
     names, infos = list(header), list(header.values())
     if not names:
         return None
-    shapes, offsets = list(map(_SHAPE, infos)), list(map(_OFFSETS, infos))
-    dtypes = list(map(DTYPES.get, map(_DTYPE, infos)))
-    if None in dtypes or set(map(type, shapes)) - {list} or set(map(type, offsets)) - {list}:
+    dtypes, lists, offsets = (
+        list(map(DTYPES.get, map(_DTYPE, infos))),
+        list(map(_SHAPE, infos)),
+        list(map(_OFFSETS, infos)),
+    )
+    if None in dtypes or set(map(type, lists)) - {list} or set(map(type, offsets)) - {list}:
         return None
-    dims = list(chain.from_iterable(shapes))
-    if dims and (set(map(type, dims)) - {int} or min(dims) < 0 or max(dims) >= MAX_COUNT):
+    if set(map(type, chain.from_iterable(lists))) - {int}:
         return None
+    shapes = list(map(tuple, lists))
+    counts: dict[tuple[int, ...], int] = {}  # each shape's element count, checked once (a header holds few shapes)
+    for shape in set(shapes):
+        if not _counts(shape):
+            return None
+        counts[shape] = math.prod(shape)
     if set(map(len, offsets)) - {2}:
         return None
     begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
@@ -290,11 +299,10 @@ def _plain_entries(header: _Plain, base: int) -> list[Entry] | None:
         return None
     sizes = list(map(operator.sub, ends, begins))
     # data, so no dimension is 0 and none overflows (see `_checked_entry`)
-    if min(sizes) <= 0 or list(map(operator.mul, map(math.prod, shapes), [d.bits for d in dtypes])) != [
-        8 * s for s in sizes
-    ]:
+    bits = list(map(operator.mul, map(counts.__getitem__, shapes), map(_BITS, dtypes)))
+    if min(sizes) <= 0 or bits != list(map((8).__mul__, sizes)):
         return None
-    return list(zip(map(base.__add__, begins), sizes, names, dtypes, map(tuple, shapes), strict=True))
+    return list(zip(map(base.__add__, begins), sizes, names, dtypes, shapes, strict=True))
 
 
 def _contiguous(entries: list[Entry], base: int, size: int) -> bool:

@@ -15,7 +15,8 @@ n processes counts 1/n to each) over the command's whole process tree, clipcli's
 included, sampled every 5 ms in a run of its own. Checkpoints are generated into benchmarks/data/
 (git-ignored) when missing (the PyTorch one needs torch: --torch-python names a Python that has it); the
 page cache is warmed first. The machine is shared and noisy: only ratios measured side by side in one run
-mean anything. `cp` copies with copy_file_range and does not fsync; clipcli's atomic write does.
+mean anything. `cp` copies with copy_file_range and does not fsync; neither does clipcli's atomic write of a
+new file (the outputs are removed between runs; a write that replaces a file is fsynced).
 """
 
 from __future__ import annotations

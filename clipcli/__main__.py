@@ -1,6 +1,7 @@
 """The `clipcli` command and `python -m clipcli`: Ctrl-C and SIGTERM handled from the first moment, then the app."""
 
 import gc
+import os
 import signal
 
 _STOPS = {signal.SIGINT, signal.SIGTERM}
@@ -13,6 +14,10 @@ def main() -> None:
     from clipcli._stops import exit_stopped, install_stop_handlers, stop_status
 
     install_stop_handlers()
+    # NumPy's OpenBLAS starts a thread per core at import, which spins for a while (about 0.05 s of a core)
+    # before it sleeps; clipcli runs no BLAS work that threads would help (its passes have their own workers).
+    # Only the command sets this: a program that imports clipcli keeps its own.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     # A run makes many objects that live to its end (modules, a few records per tensor) and few cycles.
     # Python collects every 700 net allocations, and each collection walks every young object: that cost a
     # tenth of the imports; at 100,000, one collection still walked 10,000 tensors' records (14 ms).

@@ -132,7 +132,13 @@ def _pickles_vetted(before_output: bool) -> Iterator[None]:
     from clipcli.errors import CheckFailedError, shown_path
 
     seen: set[str] = set()
-    failed: list[CheckFailedError] = []  # the gate's failure, where it waits for the report
+    failed: list[tuple[str, str]] = []  # (file, what would call what) of each unsafe file, for the gate's line
+
+    def gate() -> CheckFailedError:
+        """The gate's one line: every unsafe file with its calls (as its warning has them), the first as the
+        line's file."""
+        others = "".join(f"; {printable(shown_path(file))}: {printable(calls)}" for file, calls in failed[1:])
+        return CheckFailedError(f"{printable(failed[0][1])}{others} (--fail-unsafe-pickle)", failed[0][0])
 
     def vet(ckpt: Any) -> None:
         for audit in ckpt.pickle_audits:
@@ -143,21 +149,21 @@ def _pickles_vetted(before_output: bool) -> Iterator[None]:
                     f"clipcli: warning: {printable(f'{shown_path(audit.file)}: {calls}')} (never called here)", err=True
                 )
                 if any(opts.UNSAFE_PICKLE_GATE):
-                    failed.append(CheckFailedError(f"{printable(calls)} (--fail-unsafe-pickle)", audit.file))
+                    failed.append((audit.file, calls))
                     if before_output:
-                        raise failed[0]
+                        raise gate()
 
     OPEN_HOOKS.append(vet)
     try:
         yield
     except CheckFailedError:  # another gate failed after the report: the unsafe pickle is the line to show
         if failed:
-            raise failed[0] from None
+            raise gate() from None
         raise
     finally:
         OPEN_HOOKS.remove(vet)
     if failed:
-        raise failed[0]
+        raise gate()
 
 
 def _import_command(command: str) -> None:

@@ -4,7 +4,8 @@ A format is a module under `formats/` ending with its `FORMAT` record (`plugin.F
 `registry`; the modules here know no format: `tensor` (what a header describes, and where its bytes lie),
 `source` (where bytes come from: a `Store` of files, each a `Source` of ranged reads), `reader` (an open
 checkpoint), `decode` (bytes to values), `engine` and `workers` (work over chunks by N workers), `write`
-(plans, checks and writes), `atomic` (the one way a file is written), `crc` and `zipmember` (zip members
+(plans, checks and writes), `atomic` (the one way a file is written), `copy` (bytes copied unchanged
+by the kernel), `crc` and `zipmember` (zip members
 read in parts or as streams), `defects` (what `verify` finds wrong, by each format's `findings`).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from clipcli.checkpoint.atomic import atomic_write
+from clipcli.checkpoint.copy import FileRange, unchanged_range
 from clipcli.checkpoint.decode import as_values, decode
 from clipcli.checkpoint.defects import find_defects
 from clipcli.checkpoint.engine import CHUNK_BYTES, map_chunks, pair_values, run, run_pairs
@@ -40,6 +42,7 @@ __all__ = [
     "MAX_LZMA_DICTIONARY",
     "MAX_NUMPY_DIMS",
     "Checkpoint",
+    "FileRange",
     "Finding",
     "Format",
     "Opened",
@@ -69,6 +72,7 @@ __all__ = [
     "save",
     "shared_in_output",
     "transposed",
+    "unchanged_range",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Atomic writes: a temporary file beside the target, renamed over it only once complete and fsynced."""
+"""Atomic writes: a temporary file beside the target, renamed over it only once complete (and durable, where it
+replaces a file)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 
 from clipcli._stops import commit_begins, defer_stops, raise_if_stopped
+from clipcli.checkpoint.copy import FileRange
 from clipcli.errors import WriteError
 
 # Every this many bytes written, the file asks the kernel to start writing them to the disk.
@@ -31,8 +33,12 @@ def resolve_target(target: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_write(target: Path) -> Iterator[BinaryIO]:
-    """Yields a temporary file beside `target` that replaces it only once complete and fsynced.
+    """Yields a temporary file beside `target` that replaces it only once complete.
 
+    A new file is written as `cp` writes one: complete when renamed, on the disk when the kernel writes it
+    back. A file that replaces one (`--in-place`, an output written again) is fsynced before the rename and
+    its directory after it, so that a power loss leaves the old file or the new one, never neither (the
+    old may be the only copy); its bytes go to the disk as they are written (`_EarlyWriteback`).
     The result gets the mode a new file gets (the umask's) or keeps the mode of the file it replaces, and its
     owner and group where the process may give them (root may: `--in-place` as root kept root's).
     On any failure, or an interrupt, the temporary file is removed and the target stays as it was.
@@ -59,14 +65,16 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
         resume()
         raise WriteError(f"cannot create a file in {real.parent}: {e.strerror or e}", target) from e
     try:
+        replaces = owner is not None
         with os.fdopen(fd, "wb") as f:
             resume()
-            yield cast(BinaryIO, _EarlyWriteback(f, real))
+            yield cast(BinaryIO, _EarlyWriteback(f, real, durable=replaces))
             f.flush()
             if owner is not None:
                 _keep_owner(f.fileno(), owner)
             os.fchmod(f.fileno(), mode)  # after fchown, which clears set-user-ID bits
-            os.fsync(f.fileno())
+            if replaces:
+                os.fsync(f.fileno())
         raise_if_stopped()  # a stop whose exception was swallowed on the way never commits the write
         commit_begins()  # from here on a stop is dropped (the command line's handler)
         os.replace(tmp, real)
@@ -76,7 +84,8 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
         if isinstance(e, OSError):
             raise WriteError(e.strerror or str(e), target) from e
         raise
-    _fsync_dir(real.parent)
+    if replaces:
+        _fsync_dir(real.parent)
 
 
 def _keep_owner(fd: int, owner: tuple[int, int]) -> None:
@@ -88,7 +97,8 @@ def _keep_owner(fd: int, owner: tuple[int, int]) -> None:
 
 
 class _EarlyWriteback:
-    """A file whose written bytes go to the disk while the next ones are computed, not all at fsync.
+    """A file whose written bytes, where it is `durable` (fsynced at the end), go to the disk while the next
+    ones are computed, not all at fsync.
 
     Every WRITEBACK_BYTES, `posix_fadvise(DONTNEED)` starts the writeback of what was written since (it
     does not wait for it, and the pages stay cached until written). Without it a clip first fills the
@@ -96,11 +106,12 @@ class _EarlyWriteback:
     up instead of overlapping (a 2 GiB clip on this project's VM: 7.2-7.9 s before, 5.1-6.5 s after).
     """
 
-    def __init__(self, f: BinaryIO, target: Path | None = None):
+    def __init__(self, f: BinaryIO, target: Path | None = None, durable: bool = True):
         self._f = f
         self.target = target  # the file it replaces once complete (a format may name its contents after it)
+        self.durable = durable
         self._mark = 0
-        self._advise = getattr(os, "posix_fadvise", None)
+        self._advise = getattr(os, "posix_fadvise", None) if durable else None
 
     def write(self, data: Any) -> int:
         n = self._f.write(data)
@@ -125,10 +136,14 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def write_data(f: BinaryIO, chunks: Iterable[np.ndarray | bytes | memoryview]) -> int:
-    """Writes chunks as their little-endian bytes; returns how many were written."""
+def write_data(f: BinaryIO, chunks: Iterable[np.ndarray | bytes | memoryview | FileRange]) -> int:
+    """Writes chunks as their little-endian bytes (a `FileRange`'s copied from its file); returns how many were
+    written."""
     written = 0
     for chunk in chunks:
+        if isinstance(chunk, FileRange):
+            written += chunk.copy_to(f)
+            continue
         data = memoryview(np.ascontiguousarray(chunk).view(np.uint8)) if isinstance(chunk, np.ndarray) else chunk
         f.write(data)
         written += data.nbytes

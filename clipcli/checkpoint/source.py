@@ -69,6 +69,9 @@ class FileSource:
     def size(self) -> int:
         return os.fstat(self._f.fileno()).st_size
 
+    def fileno(self) -> int:
+        return self._fd
+
     def read_into(self, offset: int, view: memoryview) -> int:
         return os.preadv(self._fd, [view], offset)
 

@@ -144,6 +144,7 @@ class Place(NamedTuple):
     fd: int
     offset: int
     path: str
+    durable: bool  # fsynced at the end (it replaces a file): its bytes are handed to the disk as they come
 
     def write(self, offset: int, data: np.ndarray) -> None:
         """Writes `data` (native bytes) at `offset` from the tensor's first byte; asks the disk to start on it.
@@ -157,7 +158,7 @@ class Place(NamedTuple):
             while view:
                 n = os.pwrite(self.fd, view, at)
                 view, at = view[n:], at + n
-            if hasattr(os, "posix_fadvise"):  # only a hint: the fsync at the end still decides
+            if self.durable and hasattr(os, "posix_fadvise"):  # only a hint: the fsync at the end decides
                 os.posix_fadvise(self.fd, self.offset + offset, data.nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as e:
             raise WriteError(e.strerror or str(e), self.path) from e
@@ -176,8 +177,8 @@ def placed(
     needs them in order (an .npz; a Fortran-order tensor into .safetensors), or it has more files than
     `_MAX_OPEN_OUTPUT`: then use `save`.
 
-    On a clean exit every file is fsynced and renamed over its target, the index of shards last; on an
-    error none is, and the temporary files are removed.
+    On a clean exit every file is renamed over its target (fsynced first where it replaces one: see
+    `atomic_write`), the index of shards last; on an error none is, and the temporary files are removed.
 
     Raises:
         UsageError, UnsupportedError, WriteError: as `save`.
@@ -198,7 +199,7 @@ def placed(
             f.flush()
             at = f.tell()
             for t in group:
-                places[t.name] = Place(f.fileno(), at, str(target))
+                places[t.name] = Place(f.fileno(), at, str(target), f.durable)
                 at += t.nbytes
             f.truncate(at)  # the data's room (a sparse file until written)
         yield places

@@ -13,7 +13,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from clipcli.checkpoint import Checkpoint, Place, TensorInfo, check_output, check_plan, placed, save
+from clipcli.checkpoint import (
+    Checkpoint,
+    FileRange,
+    Place,
+    TensorInfo,
+    check_output,
+    check_plan,
+    placed,
+    save,
+    unchanged_range,
+)
 from clipcli.commands import passes
 from clipcli.commands.measure import NormKernel, combined
 from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress
@@ -174,10 +184,17 @@ def _write_in_order(
         before[name], after[name] = NormAccumulator(2), NormAccumulator(2)
     progress.phase(label, sum(t.nbytes for t in tensors))
     align = {n: op.align for n, op in ops.items()}
-    results = passes.run_pass(ckpt, tensors, lambda: _Ordered(ops, measure_first), jobs, align)
+    copies = {id(t): r for t in tensors if t.name not in ops and (r := unchanged_range(ckpt.store, t)) is not None}
+    read = [t for t in tensors if id(t) not in copies]  # the others are copied by the kernel as they are written
+    results = passes.run_pass(ckpt, read, lambda: _Ordered(ops, measure_first), jobs, align)
     stream = _InOrder(results)
 
-    def chunks(t: TensorInfo) -> Iterator[np.ndarray]:
+    def chunks(t: TensorInfo) -> Iterator[np.ndarray | FileRange]:
+        copy = copies.get(id(t))
+        if copy is not None:
+            progress.advance(copy.nbytes)
+            yield copy
+            return
         for out, norms in stream.take(t):
             if norms:
                 before[t.name].combine(norms[0])

@@ -35,12 +35,14 @@ class Listing:
         return f"{plural(s.tensors, 'tensor')}, {plural(s.elements, 'parameter')}{objects}, {size(s.nbytes)}"
 
     def _table(self, several: bool) -> list[str]:
+        rows = self.summary.tensors + self.summary.objects
+        if not rows:  # a header over no rows reads as a listing that went wrong
+            return ["it holds no tensors"]
         headers = ["tensor", "dtype", "shape", "elements", "size"] + (["file"] if several else [])
         cells = (
             [t.name, t.dtype, shape_text(t.shape), f"{t.elements:,}", size(t.nbytes)] + ([t.file] if several else [])
             for t in self.tensors
         )
-        rows = self.summary.tensors + self.summary.objects
         return showing(len(self.tensors), rows, "tensor") + table(headers, cells, right=(3, 4))
 
     def _tensors_json(self) -> list[dict[str, Any]]:
@@ -62,11 +64,12 @@ def _pickle_lines(audit: PickleAudit | None, fmt: str | None) -> list[str]:
     if audit is None:
         return []
     fields = audit.fields
+    named = "globals:" if fields["globals"] else "it names no globals"
     if fmt in ("npz", "npy"):  # object arrays: NumPy's loader, not torch's, would unpickle them
-        lines = ["  pickle (object arrays, which only np.load(allow_pickle=True) unpickles); globals:"]
+        lines = [f"  pickle (object arrays, which only np.load(allow_pickle=True) unpickles); {named}"]
     else:
         verdict = "loads" if fields["loads_with_weights_only"] else "does not load"
-        lines = [f"  pickle: torch.load(weights_only=True) {verdict}; globals:"]
+        lines = [f"  pickle: torch.load(weights_only=True) {verdict}; {named}"]
     return lines + [f"    {g['name']} ({g['use']} x{g['count']})" for g in fields["globals"]]
 
 

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import stat
 import struct
 import zipfile
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from clipcli.checkpoint import Checkpoint, open_checkpoint, save
+from clipcli.checkpoint import Checkpoint, open_checkpoint, placed, save
 from clipcli.checkpoint.formats import safetensors as _safetensors
 from clipcli.core.blocks import BLOCK
 from clipcli.core.norms import NormAccumulator
@@ -992,8 +993,9 @@ def test_error_lines_escape_control_characters_in_names(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
 def test_written_bytes_are_handed_to_the_disk_as_the_write_goes(tmp_path, monkeypatch, suffix):
-    # a clip should not fill the page cache and then wait in fsync: every WRITEBACK_BYTES the written
-    # range is handed on (posix_fadvise DONTNEED starts its writeback); a refused hint changes nothing
+    # a write that replaces a file waits for the disk (fsync) before it commits: it should not fill the page
+    # cache and then wait in fsync: every WRITEBACK_BYTES the written range is handed on (posix_fadvise
+    # DONTNEED starts its writeback); a refused hint changes nothing
     from clipcli.checkpoint import atomic as _files
 
     monkeypatch.setattr(_files, "WRITEBACK_BYTES", 1 << 20)
@@ -1008,11 +1010,49 @@ def test_written_bytes_are_handed_to_the_disk_as_the_write_goes(tmp_path, monkey
 
     monkeypatch.setattr(os, "posix_fadvise", advise, raising=False)
     out = tmp_path / f"out{suffix}"
+    out.write_bytes(b"old")  # replaced: durable
     with open_checkpoint(src) as ckpt:
         save(ckpt, out, lambda t: ckpt.chunks(t, 1 << 18))
     assert len(calls) >= 8 and all(a == os.POSIX_FADV_DONTNEED for _, _, a in calls)
     assert [o for o, _, _ in calls[1:]] == [o + n for o, n, _ in calls[:-1]]  # consecutive ranges
     assert calls[0][0] == 0 and all(n >= 1 << 20 for _, n, _ in calls)
+    with open_checkpoint(out) as written:
+        for t in written.tensors:
+            np.testing.assert_array_equal(written.read(t), tensors[t.name])
+
+
+@pytest.mark.parametrize("replaces", [False, True])
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", ".pt"])
+def test_a_new_file_is_written_as_cp_writes_and_a_replaced_one_durably(tmp_path, monkeypatch, suffix, replaces):
+    # a new output is complete when renamed (the kernel writes it back, as after `cp`); a file replaced
+    # (--in-place, an output written again) is fsynced, with its directory, before and after its rename, so
+    # that a power loss leaves the old or the new one; its bytes are handed to the disk as they come
+    import clipcli.checkpoint.atomic as atomic
+
+    synced, advised = [], []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.fstat(fd).st_mode) or real_fsync(fd))
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: advised.append(a), raising=False)
+    monkeypatch.setattr(atomic, "WRITEBACK_BYTES", 1 << 16)
+    tensors = {f"t{i}": np.full(100_000, i, np.float32) for i in range(3)}
+    src = tmp_path / "src.safetensors"
+    src.write_bytes(st_bytes(tensors))
+    out = tmp_path / f"out{suffix}"
+    if replaces:
+        out.write_bytes(b"old")
+    with open_checkpoint(src) as ckpt:
+        if suffix == ".safetensors":  # the writer that workers write into in any order
+            with placed(ckpt, out) as places:
+                assert places is not None
+                for t in ckpt.tensors:
+                    places[t.name].write(0, ckpt.read(t))
+        else:
+            save(ckpt, out, lambda t: ckpt.chunks(t, 1 << 16))
+    if replaces:
+        kinds = [stat.S_ISREG(m) for m in synced]
+        assert kinds == [True, False] and advised  # the file, then its directory; the bytes as they came
+    else:
+        assert synced == [] and advised == []
     with open_checkpoint(out) as written:
         for t in written.tensors:
             np.testing.assert_array_equal(written.read(t), tensors[t.name])

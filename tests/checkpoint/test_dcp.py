@@ -27,13 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clipcli.checkpoint.formats._dcp_layout import layout_error as _layout_error
+from clipcli.checkpoint.formats._dcp_records import TRUSTED
+from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats.dcp import DcpTensor, is_dcp, read_dcp
 from clipcli.checkpoint.formats.torch import is_contiguous, read_torch
 from clipcli.errors import (
     ClipcliError,
     MalformedError,
     MissingFileError,
-    UnsafePickleError,
     UnsupportedError,
 )
 from tests.helpers import DATA, PID, Call, G, byte_mutations, ops, read_values, zip_file
@@ -206,7 +207,6 @@ MALFORMED = [
     ("missing_item", MalformedError, r"tensor epoch: the item is not in storage_data"),
     ("dotdot", MalformedError, r"tensor replicated: the file '\.\./sharded/__1_0\.distcp' is not a plain path"),
     ("absolute", MalformedError, r"tensor replicated: the file '/etc/passwd' is not a plain path"),
-    ("foreign_global", UnsafePickleError, r"\.metadata: the pickle asks for GLOBAL posix\.system, which clipcli never"),
     ("wrong_dtype", MalformedError, r"tensor rows: the chunk at offsets \(0, 0\) holds a float32 tensor of shape"),
     ("transform", UnsupportedError, r"tensor rows: .* stored through the transform stream\.zstd/1 \(compression"),
     ("version", UnsupportedError, r"metadata version '2\.0\.0' \(clipcli reads 1\.x\)"),
@@ -226,25 +226,52 @@ def test_malformed_metadata_is_refused(tmp_path: Path, variant: str, error: type
     assert re.search(message, text), text
 
 
-def test_foreign_global_is_never_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = (CORPUS / "malformed" / "foreign_global.metadata").read_bytes()
+# A .metadata naming a global beyond DCP's own was refused whole (exit 3: "the pickle asks for GLOBAL
+# posix.system"), where SPEC says it is "itself a pickle: same rules, same audit".
+@pytest.mark.parametrize(
+    ("variant", "called", "value"),
+    [("foreign_global", "posix.system", "touch clipcli-was-exploited"), ("namespace", "argparse.Namespace", "run-7")],
+)
+def test_a_foreign_global_in_the_metadata_is_audited_and_never_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str, called: str, value: str
+) -> None:
+    """torch pickled each (make_dcp.py foreign): a call of os.system in storage_meta, a Namespace as planner_data."""
+    data = (CORPUS / "foreign" / f"{variant}.metadata").read_bytes()
     strings = [arg for op, arg, _ in pickletools.genops(data) if op.name == "SHORT_BINUNICODE"]
     names = [op.name for op, _, _ in pickletools.genops(data)]
-    assert "posix" in strings and "system" in strings and "touch clipcli-was-exploited" in strings  # it is live
-    assert "STACK_GLOBAL" in names and "REDUCE" in names
+    assert {*called.split("."), value} <= set(strings)  # it is live
+    assert {"STACK_GLOBAL", "REDUCE" if variant == "foreign_global" else "NEWOBJ"} <= set(names)
     directory = copy_of("sharded", tmp_path)
     (directory / ".metadata").write_bytes(data)
     calls: list[Any] = []
     monkeypatch.setattr(os, "system", lambda *a: calls.append(a))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnsafePickleError, match=r"GLOBAL posix\.system, which clipcli never runs"):
-        read_dcp(directory)
+    audit = Audit()
+    metadata, tensors = read_dcp(directory, audit=audit)
+    plain_metadata, plain = read_dcp(CORPUS / "sharded")
+    assert metadata == plain_metadata
+    assert [(t.name, t.shape, [c.offsets for c in t.chunks]) for t in tensors] == [
+        (t.name, t.shape, [c.offsets for c in t.chunks]) for t in plain
+    ]
+    result = audit.result(str(directory / ".metadata"), TRUSTED)
+    assert result.unsafe_calls == (called,) and not result.loads_with_weights_only
+    assert [g.count for g in result.globals if g.name == called and g.use == "call"] == [1]
     assert calls == [] and not (tmp_path / "clipcli-was-exploited").exists()
-    # the GLOBAL opcode of protocols 0-2, at the top
-    (directory / ".metadata").write_bytes(b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00truet\x85R.")
-    with pytest.raises(UnsafePickleError, match=r"^.*\.metadata: the pickle asks for GLOBAL os\.system, which"):
+
+
+@pytest.mark.parametrize(
+    ("pickled", "message"),
+    [
+        # the GLOBAL opcode of protocols 0-2, at the top: no Metadata at all
+        (b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R.", r"holds a os\.system object, not a distributed"),
+        (b"\x80\x02cargparse\nNamespace\n)R.", r"holds a argparse\.Namespace object, not a distributed checkpoint's"),
+    ],
+)
+def test_a_foreign_object_where_the_metadata_should_be_says_so(tmp_path: Path, pickled: bytes, message: str) -> None:
+    directory = copy_of("sharded", tmp_path)
+    (directory / ".metadata").write_bytes(pickled)
+    with pytest.raises(MalformedError, match=r"^.*\.metadata: the pickle " + message):
         read_dcp(directory)
-    assert calls == []
 
 
 def test_missing_or_truncated_files(tmp_path: Path) -> None:
@@ -490,6 +517,19 @@ def test_a_chunk_must_be_one_tensor_of_its_shape_and_dtype(tmp_path: Path) -> No
             lambda sd, sto: b"\x80\x02" + dops(Call(G(META, "_MEM_FORMAT_ENCODING"), 7)) + b".",
             r"a torch\.distributed\.checkpoint\.metadata\._MEM_FORMAT_ENCODING that does not exist",
         ),
+        # a placeholder (a global beyond DCP's own) where a record belongs: the message names what stands there
+        (
+            lambda sd, sto: metadata_pickle({"w": Call(G("argparse", "Namespace"), ())}, sto),
+            r"tensor w: the item is a argparse\.Namespace object, not tensor or bytes metadata",
+        ),
+        (
+            lambda sd, sto: metadata_pickle(sd, {index("w", (0,)): Call(G("os", "system"), "x")}),
+            r"tensor w: storage_data holds a os\.system object, not a _StorageInfo",
+        ),
+        (
+            lambda sd, sto: metadata_pickle(Call(G("argparse", "Namespace"), ()), sto),
+            r"state_dict_metadata is a argparse\.Namespace object, not a dict",
+        ),
     ],
 )
 def test_hand_written_malformed_metadata(tmp_path: Path, edit: Any, message: str) -> None:
@@ -509,10 +549,11 @@ def test_hand_written_malformed_metadata(tmp_path: Path, edit: Any, message: str
         "torch.Tensor",
     ],
 )
-def test_only_dcp_globals_are_allowed(tmp_path: Path, name: str) -> None:
+def test_only_dcp_globals_are_records(tmp_path: Path, name: str) -> None:
+    """Any other global is an inert placeholder: called at the top, it is no Metadata, and the message says so."""
     module, attr = name.rsplit(".", 1)
     directory = hand_checkpoint(tmp_path, {}, edit=lambda sd, sto: b"\x80\x02" + dops(Call(G(module, attr), ())) + b".")
-    with pytest.raises(UnsafePickleError, match=rf"the pickle asks for GLOBAL {name}, which clipcli never runs"):
+    with pytest.raises(MalformedError, match=rf"the pickle holds a {name} object, not a distributed checkpoint's"):
         read_dcp(directory)
 
 

@@ -196,42 +196,55 @@ def big(tmp_path_factory) -> Path:
     return path
 
 
+def _written(directory: Path) -> int | None:
+    """The bytes written so far into the clip's temporary file in `directory`, or None while there is none. The
+    writer makes it at its full size at once (sparse), so what counts is the room its data takes on disk."""
+    names = leftovers(directory)
+    if not names:
+        return None
+    try:
+        return os.stat(directory / names[0]).st_blocks * 512
+    except FileNotFoundError:  # renamed over the target meanwhile
+        return None
+
+
 def test_sigkill_leaves_old_bytes_or_a_complete_file(big, tmp_path):
+    # it once failed on a loaded machine: kills timed by sleeps (fractions of a clip's duration) landed after the
+    # clip had finished; now each kill waits for a state of the write it can see: how much of the file is written
     expected = tmp_path / "expected.safetensors"
-    start = time.monotonic()
     assert clipcli("clip-global-norm", big, "-o", expected, "--clip-norm", "1", "--quiet").returncode == 0
-    duration = time.monotonic() - start
+    total = expected.stat().st_size
     out = tmp_path / "out.safetensors"
     old = b"old bytes that must survive"
     source = digest(big)
+    command = [sys.executable, "-m", "clipcli", "clip-global-norm", str(big), "-o", str(out), "--clip-norm", "1"]
     interrupted = 0
-    for delay in (duration * f for f in (0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.5)):
-        out.write_bytes(old)
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "clipcli",
-                "clip-global-norm",
-                str(big),
-                "-o",
-                str(out),
-                "--clip-norm",
-                "1",
-                "--quiet",
-            ],
-            env=ENV,
-        )
-        time.sleep(delay)
-        interrupted += proc.poll() is None
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        content = out.read_bytes()
-        assert content == old or content == expected.read_bytes(), delay
-        assert digest(big) == source
-        for name in leftovers(tmp_path):  # a killed process cannot clean up; its file is only a temporary
-            (tmp_path / name).unlink()
-    assert interrupted >= 4  # most kills landed while the clip was running (the last one after it)
+    # None: at start-up, before anything is written; then when that share of the output is written
+    for share in (None, 0.0, 0.1, 0.3, 0.5, 0.7, 0.9):
+        for _ in range(5):  # a write that outran the watch (the machine busy) is tried again
+            out.write_bytes(old)
+            proc = subprocess.Popen([*command, "--quiet"], env=ENV)
+            deadline = time.monotonic() + 120
+            while share is not None and proc.poll() is None and time.monotonic() < deadline:
+                written = _written(tmp_path)
+                if written is not None and written >= share * total:
+                    break
+                time.sleep(0.001)
+            midway = share is not None and proc.poll() is None and _written(tmp_path) is not None
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            content = out.read_bytes()
+            assert content == old or content == expected.read_bytes(), share
+            assert digest(big) == source
+            for name in leftovers(tmp_path):  # a killed process cannot clean up; its file is only a temporary
+                (tmp_path / name).unlink()
+            if share is None or midway:
+                break
+        interrupted += midway
+    assert interrupted >= 5  # most kills landed in the middle of the write
+    # and one left alone: the complete file
+    out.write_bytes(old)
+    assert clipcli(*command[3:], "--quiet").returncode == 0 and out.read_bytes() == expected.read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -300,14 +313,14 @@ def test_a_stop_whose_exception_is_swallowed_still_commits_nothing(files, tmp_pa
     code = (
         "import os, signal, sys\n"
         "from clipcli import _stops\n"
-        "real = os.fsync\n"
-        "def fsync(fd):\n"
+        "real = os.fchmod\n"
+        "def fchmod(fd, mode):  # on the way to the commit\n"
         "    try:\n"
         f"        _stops.stop(signal.{name})  # the signal's exception, raised where it is swallowed\n"
         "    except BaseException:\n"
         "        pass\n"
-        "    real(fd)\n"
-        "os.fsync = fsync\n"
+        "    real(fd, mode)\n"
+        "os.fchmod = fchmod\n"
         "from clipcli.cli import main\n"
         "main(sys.argv[1:])\n"
     )

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pickle
+import pickletools
 import shutil
 import struct
 import subprocess
@@ -22,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from clipcli.checkpoint.formats._dcp_records import TRUSTED
 from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats.dcp import read_dcp
 from clipcli.checkpoint.formats.torch import read_torch
-from clipcli.errors import ClipcliError, UnsafePickleError
+from clipcli.errors import ClipcliError
 from tests.helpers import (
     DATA,
     ROOT,
@@ -213,34 +215,50 @@ def test_a_distributed_checkpoint_item_runs_nothing(tmp_path: Path, recorders: l
     assert recorders == [] and not (tmp_path / SENTINEL).exists() and not imported_since(modules)
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}.{t[1]}")
-@pytest.mark.parametrize("form", ["reduce", "stack_global", "partial"])
-def test_a_hostile_metadata_is_refused_naming_its_global(
-    tmp_path: Path, recorders: list, target: tuple, form: str
-) -> None:
-    """A .metadata takes DCP's own classes only: the first other global refuses the checkpoint (exit 3)."""
-    module, name, _, arg = target
+def hostile_metadata(tmp_path: Path, payload: bytes) -> Path:
+    """single/ with `payload` spliced into its .metadata after PROTO, its result dropped by POP; without memo
+    opcodes (PUT), which would shift the indices that the Metadata's MEMOIZE opcodes give."""
+    payload = pickletools.optimize(b"\x80\x02" + payload + b".")[2:-1]
     directory = shutil.copytree(DATA / "dcp" / "single", tmp_path / "ckpt")
     original = (directory / ".metadata").read_bytes()
-    assert original[:1] == b"\x80"  # PROTO, then the Metadata: the hostile call goes between (and POP drops it)
-    (directory / ".metadata").write_bytes(original[:2] + call(module, name, arg, form) + b"0" + original[2:])
-    first = "functools.partial" if form == "partial" else f"{module}.{name}"  # as the file writes it
-    with pytest.raises(UnsafePickleError, match=rf"GLOBAL {first}, which clipcli never runs"):
-        read_dcp(directory)
-    assert recorders == [] and not (tmp_path / SENTINEL).exists()
+    assert original[:1] == b"\x80"  # PROTO, then the Metadata: the hostile call goes between
+    (directory / ".metadata").write_bytes(original[:2] + payload + b"0" + original[2:])
+    return directory
+
+
+# found in review: a .metadata naming a foreign global was refused (exit 3); it is a pickle like any other
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}.{t[1]}")
+@pytest.mark.parametrize("form", ["reduce", "stack_global", "partial"])
+def test_a_hostile_metadata_is_audited_as_pickletools_shows_and_never_run(
+    tmp_path: Path, recorders: list, target: tuple, form: str
+) -> None:
+    module, name, _, arg = target
+    payload = call(module, name, arg, form)
+    directory = hostile_metadata(tmp_path, payload)
+    modules = set(sys.modules)
+    audit = Audit()
+    _, tensors = read_dcp(directory, audit=audit)
+    _, plain = read_dcp(DATA / "dcp" / "single")
+    assert [t.name for t in tensors] == [t.name for t in plain]
+    result = audit.result(str(directory / ".metadata"), TRUSTED)
+    # torch pickles .metadata in protocol 4, where Python 2's names stay as they are (__builtin__.eval)
+    reference = pickletools_calls(b"\x80\x04" + payload + b".")
+    assert reference == expected(module, name, f"{module}.{name}", form)
+    assert set(result.unsafe_calls) == reference and not result.loads_with_weights_only
+    assert recorders == [] and not (tmp_path / SENTINEL).exists() and not imported_since(modules)
 
 
 def test_a_hostile_metadata_on_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    directory = shutil.copytree(DATA / "dcp" / "single", tmp_path / "ckpt")
-    original = (directory / ".metadata").read_bytes()
-    (directory / ".metadata").write_bytes(
-        original[:2] + call("os", "system", f"touch {SENTINEL}", "reduce") + b"0" + original[2:]
-    )
-    for extra in ([], ["--fail-unsafe-pickle"]):
-        r = run_bounded("inspect", "ckpt", *extra, seconds=30, cwd=tmp_path)
-        lines = r.stderr.splitlines()
-        assert r.returncode == 3 and len(lines) == 1 and "GLOBAL os.system, which clipcli never runs" in lines[0], r
+    directory = hostile_metadata(tmp_path, call("os", "system", f"touch {SENTINEL}", "reduce"))
+    shown, plain, gated = gate_runs(tmp_path, directory)
+    warning = "clipcli: warning: ckpt/.metadata: torch.load would call os.system (never called here)"
+    assert (shown.returncode, shown.stderr.splitlines()) == (0, [warning]), shown
+    assert {"name": "os.system", "use": "call", "count": 1} in json.loads(shown.stdout)["checkpoints"][0]["pickle"][
+        "globals"
+    ]
+    assert (plain.returncode, plain.stderr.splitlines()) == (0, [warning]), plain
+    assert gated.returncode == 1 and gated.stderr.splitlines()[0] == warning, gated
     assert not (tmp_path / SENTINEL).exists()
 
 
@@ -255,7 +273,7 @@ for path in sys.argv[1:]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            if path.endswith(".metadata"):
+            if path.endswith(".metadata"):  # as torch's FileSystemReader.read_metadata loads it
                 load(io.BytesIO(open(path, "rb").read()))
             else:
                 torch.load(path, weights_only=True)
@@ -289,7 +307,7 @@ def test_loads_with_weights_only_is_torchs_verdict_on_every_pickle_in_the_test_d
     torch_files = [
         p for p in (DATA / "torch").rglob("*") if p.is_file() and p.suffix in (".pt", ".pth", ".bin", ".ckpt")
     ]
-    metadata = sorted((DATA / "dcp").rglob(".metadata"))
+    metadata = sorted((DATA / "dcp").rglob(".metadata")) + sorted((DATA / "dcp" / "foreign").glob("*.metadata"))
     made = [hostile_files(tmp_path)[form][0] for form in ("zip", "legacy")]
     files = sorted(torch_files) + metadata + made
     out = subprocess.run(
@@ -299,7 +317,11 @@ def test_loads_with_weights_only_is_torchs_verdict_on_every_pickle_in_the_test_d
     mismatches = {}
     for path in files:
         audit = Audit()
-        if path.name == ".metadata":
+        if path.parent.name == "foreign":  # read with the files of sharded/, as make_dcp.py made them
+            directory = shutil.copytree(DATA / "dcp" / "sharded", tmp_path / path.stem)
+            shutil.copy(path, directory / ".metadata")
+            read_dcp(directory, audit=audit)
+        elif path.name == ".metadata":
             with contextlib.suppress(ClipcliError):  # safetensors_format is refused after its .metadata is read
                 read_dcp(path.parent, audit=audit)
         else:

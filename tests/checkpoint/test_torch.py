@@ -53,11 +53,16 @@ from tests.helpers import (
     ROOT,
     Call,
     G,
+    PickleCall,
+    PickleDict,
+    PickleGlobal,
     byte_mutations,
     ops,
     pickletools_calls,
     read_values,
     redirect_member,
+    torch_view,
+    torch_zip,
     zip_file,
 )
 
@@ -1150,3 +1155,46 @@ def test_a_directory_entry_pointing_at_another_record_is_refused(tmp_path: Path)
     path.write_bytes(redirect_member(source.read_bytes(), "no_byteorder/data/3", "no_byteorder/data/2"))
     with pytest.raises(MalformedError, match="storage 3: bad local zip header"):
         read_torch(path)
+
+
+# -- tensors as dict keys ----------------------------------------------------------------------------------------
+
+# review 30 reported an nn.Parameter as a dict key refused (exit 3) where a tensor key was read; a tensor key is
+# refused too, with the same line: both have no name. These pin that the two stay alike, in dicts, sets and tuples.
+
+
+def _keyed(key: Any, container: str) -> Any:
+    """A state dict with `key` (a tensor or Parameter of storage "0") in a dict key, a set or a tuple key."""
+    w = torch_view("float32", 4, (4,), (1,))
+    if container == "set":
+        return {"s": PickleCall(PickleGlobal("builtins", "set"), ([key],)), "w": w}
+    return PickleDict([(key if container == "dict" else (key, 1), 1), ("w", w)])
+
+
+@pytest.mark.parametrize("container", ["dict", "set", "tuple"])
+def test_a_parameter_as_a_key_is_refused_as_a_tensor_key_is(tmp_path: Path, container: str) -> None:
+    tensor = torch_view("float32", 4, (2,), (1,))
+    ordered = PickleCall(PickleGlobal("collections", "OrderedDict"), ())
+    parameter = PickleCall(PickleGlobal("torch._utils", "_rebuild_parameter"), (tensor, True, ordered))
+    lines = []
+    for name, key in (("tensor", tensor), ("parameter", parameter)):
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(torch_zip(_keyed(key, container), {"0": struct.pack("<4f", 1, 2, 3, 4)}))
+        with pytest.raises(UnsupportedError) as info:
+            read_torch(path)
+        lines.append(str(info.value).removeprefix(str(path)))
+    assert lines[0] == lines[1] and lines[0].endswith(": a tensor used as a dict key or set member has no name")
+
+
+def test_files_torch_writes_with_a_parameter_or_a_tensor_as_a_key(tmp_path: Path) -> None:
+    """torch.load(weights_only=True) loads both; clipcli refuses both alike (the key has no name)."""
+    torch = pytest.importorskip("torch")
+    lines = []
+    for key in (torch.ones(2), torch.nn.Parameter(torch.ones(2))):
+        path = tmp_path / f"{type(key).__name__}.pt"
+        torch.save({key: 1, "w": torch.ones(3)}, path)
+        assert len(torch.load(path, weights_only=True)) == 2
+        with pytest.raises(UnsupportedError) as info:
+            read_torch(path)
+        lines.append(str(info.value).removeprefix(str(path)))
+    assert lines == [": a tensor used as a dict key or set member has no name"] * 2

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from clipcli.checkpoint import find_defects, open_checkpoint
 from clipcli.checkpoint.source import LocalStore
 from clipcli.errors import FileTypeError, MalformedError, MissingFileError
-from tests.helpers import dcp_checkpoint, pickle_ops, raw_safetensors, torch_view, torch_zip_file
+from tests.helpers import DATA, dcp_checkpoint, pickle_ops, raw_safetensors, torch_view, torch_zip_file
 
 W = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
 B = np.linspace(-1, 1, 5)
@@ -235,12 +235,35 @@ def test_npz_member_crc(tmp_path: Path, save) -> None:
         assert open_checkpoint(path).format == "npz"
 
 
+# found in review: a damaged storage's finding had "tensor": null; a damaged data.pkl was "malformed"
 def test_pt_member_crc(tmp_path: Path) -> None:
     path = torch_file(tmp_path / "m.pt")
     flip(path, "archive/data/0", 5)
     found = find_defects(path)[1]
-    assert [(f.tensor, f.kind) for f in found] == [(None, "crc")]
+    assert [(f.tensor, f.kind) for f in found] == [("w", "crc")]
     assert "archive/data/0" in found[0].problem
+
+
+def test_pt_shared_storage_crc_names_every_tensor_on_it(tmp_path: Path) -> None:
+    """tied.pt (torch wrote it): emb.weight and head.weight on storage 0."""
+    path = tmp_path / "tied.pt"
+    path.write_bytes((DATA / "torch" / "tied.pt").read_bytes())
+    flip(path, "tied/data/0")
+    found = find_defects(path)[1]
+    assert [(f.tensor, f.kind) for f in found] == [("emb.weight", "crc"), ("head.weight", "crc")]
+    assert all("tied/data/0" in f.problem for f in found)
+
+
+@pytest.mark.parametrize("at", [0, None])
+def test_pt_data_pkl_crc_is_a_crc_defect(tmp_path: Path, at: int | None) -> None:
+    path = tmp_path / "tied.pt"
+    path.write_bytes((DATA / "torch" / "tied.pt").read_bytes())
+    flip(path, "tied/data.pkl", at)
+    found = find_defects(path)[1]
+    assert [(f.tensor, f.kind) for f in found] == [(None, "crc")]
+    assert found[0].problem == "member tied/data.pkl: Bad CRC-32 for the member (it is damaged)"
+    with pytest.raises(MalformedError, match=r"tied\.pt: member tied/data\.pkl: Bad CRC-32 for the member"):
+        open_checkpoint(path)
 
 
 def test_npz_and_pt_defects_that_opening_refuses(tmp_path: Path) -> None:

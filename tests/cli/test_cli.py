@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from clipcli import core
 from clipcli.checkpoint import open_checkpoint
@@ -30,6 +30,7 @@ from clipcli.report import norms as norm_report
 from clipcli.report import render as report_render
 from clipcli.report import rows as report_rows
 from tests.helpers import (
+    DATA,
     ENV,
     GOLDEN,
     SAMPLES,
@@ -356,6 +357,24 @@ def test_inspect_shows_element_counts_and_the_parameter_count():
     assert out[0] == f"{SAMPLES / 'grads.safetensors'}: safetensors, 17 tensors, {total:,} parameters, {size:.1f} KiB"
     assert out[3].split()[:5] == ["tensor", "dtype", "shape", "elements", "size"]
     assert out[4].split()[3] == "16,384"  # 256 x 64
+
+
+def test_inspect_of_a_checkpoint_without_tensors_says_so(tmp_path):
+    # found in review: a header of columns over no rows; the JSON keeps "tensors": []
+    empty_st, empty_npz = tmp_path / "e.safetensors", tmp_path / "e.npz"
+    save_file({}, str(empty_st))
+    np.savez(empty_npz)
+    only_metadata = DATA / "torch" / "metadata_only.pt"  # torch.save({"step": 5, "lr": 0.1})
+    for path in (only_metadata, empty_st, empty_npz):
+        lines = ok("inspect", path).stdout.splitlines()
+        assert lines[0].startswith(f"{path}: ") and ", 0 tensors, 0 parameters, 0 B" in lines[0]
+        assert lines[-1] == "it holds no tensors" and not any(line.startswith("tensor ") for line in lines), lines
+        (c,) = js("inspect", path)["checkpoints"]
+        assert c["tensors"] == [] and c["tensor_count"] == 0
+    # a pickle that names no global says so (was "...; globals:" over nothing)
+    assert "  pickle: torch.load(weights_only=True) loads; it names no globals" in ok("inspect", only_metadata).stdout
+    both = ok("inspect", only_metadata, SAMPLES / "grads.safetensors").stdout.splitlines()
+    assert both.count("it holds no tensors") == 1 and any(line.split()[:2] == ["tensor", "dtype"] for line in both)
 
 
 def test_blank_line_between_inspected_checkpoints_and_no_trailing_spaces():

@@ -105,12 +105,23 @@ def test_a_malformed_checkpoint_is_one_error_line(tmp_path, variant):
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_a_foreign_global_in_the_metadata_runs_nothing(tmp_path):
+# found in review: a .metadata calling a foreign global refused the checkpoint (exit 3) instead of auditing it
+def test_a_foreign_global_in_the_metadata_is_audited_read_and_never_run(tmp_path, monkeypatch):
     copy = tmp_path / "ckpt"
     shutil.copytree(DATA / "sharded", copy)
-    shutil.copy(DATA / "malformed" / "foreign_global.metadata", copy / ".metadata")
-    result = run("inspect", copy)
-    assert "the pickle asks for GLOBAL posix.system, which clipcli never runs" in result.stderr
+    shutil.copy(DATA / "foreign" / "foreign_global.metadata", copy / ".metadata")
+    monkeypatch.chdir(tmp_path)
+    warning = f"clipcli: warning: {copy / '.metadata'}: torch.load would call posix.system (never called here)"
+    shown = run("inspect", copy, "--format", "json")
+    assert shown.exit_code == 0 and shown.stderr.splitlines() == [warning], shown.output
+    listing = json.loads(shown.stdout)["checkpoints"][0]
+    assert {t["name"] for t in listing["tensors"]} == {t["name"] for t in expected("sharded")["tensors"]}
+    assert {"name": "posix.system", "use": "call", "count": 1} in listing["pickle"]["globals"]
+    norms, plain = (js("global-norm", path)["checkpoints"][0] for path in (copy, DATA / "sharded"))
+    assert norms["global_norm"] == plain["global_norm"] and norms["tensors"] == plain["tensors"]
+    gated = run("global-norm", copy, "--quiet", "--fail-unsafe-pickle")
+    assert gated.exit_code == 1 and gated.stderr.splitlines()[0] == warning, gated.output
+    assert "posix.system (--fail-unsafe-pickle)" in gated.stderr.splitlines()[-1]
     assert not (Path.cwd() / "clipcli-was-exploited").exists() and not (tmp_path / "clipcli-was-exploited").exists()
 
 

@@ -203,6 +203,24 @@ def test_the_gate_line_escapes_a_name_as_the_warning_does(tmp_path: Path) -> Non
     assert not (tmp_path / SENTINEL).exists()
 
 
+# found in review: with several unsafe checkpoints, the gate's line named only the first
+@pytest.mark.parametrize("command", ["inspect", "global-norm", "hash"])
+def test_the_gate_line_names_each_unsafe_file(tmp_path: Path, command: str) -> None:
+    pkl = state_dict({"cfg": call("os", "system", f"touch {SENTINEL}", "reduce")})
+    odd = torch_file(tmp_path / "odd\nname\x1b.pt", pkl, legacy=False)
+    args = [HOSTILE, TIED, odd] if command != "hash" else [HOSTILE, odd]
+    r = run(command, *args, "--fail-unsafe-pickle", "--quiet", env=CLEAN)
+    lines = r.stderr.splitlines()
+    assert r.exit_code == 1 and len(lines) == 3, r.output
+    shown = str(odd).replace("\n", "\\n").replace("\x1b", "\\x1b")
+    assert lines[1] == f"clipcli: warning: {shown}: torch.load would call os.system (never called here)"
+    hostile_calls = lines[0].removeprefix(f"clipcli: warning: {HOSTILE}: ").removesuffix(" (never called here)")
+    assert lines[2] == (
+        f"clipcli: error: {HOSTILE}: {hostile_calls}; {shown}: torch.load would call os.system (--fail-unsafe-pickle)"
+    )
+    assert "\x1b" not in r.stderr and not (tmp_path / SENTINEL).exists()
+
+
 REPORTERS = {
     "inspect": [],
     "global-norm": [],

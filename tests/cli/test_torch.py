@@ -431,3 +431,6 @@ def test_a_storage_with_a_bad_crc_reads_as_torch_reads_it_and_verify_names_the_r
     assert after.keys() == before.keys() and after != before  # read, values damaged, as torch gives them
     result = run("verify", path)
     assert result.exit_code == 1 and f"crc: member {info.filename}: Bad CRC-32" in result.output
+    # found in review: the finding's tensor was null; it names each tensor on the storage
+    report = json.loads(run("verify", path, "--format", "json").stdout)
+    assert [(f["tensor"], f["kind"]) for f in report["findings"]] == [("emb.weight", "crc"), ("head.weight", "crc")]

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from clipcli.checkpoint.copy import FileRange
 from clipcli.checkpoint.crc import crc32
 
 ALIGNMENT = 64  # torch's `.storage_alignment`
@@ -53,15 +54,22 @@ class Archive:
         return m
 
     def data(self, m: Member, data: Any) -> None:
-        """Writes bytes of the record begun last; their CRC-32 is computed by a thread meanwhile (it releases
-        the GIL), and is done when this returns (a chunk's buffer is reused once it does)."""
+        """Writes bytes of the record begun last (a `FileRange`'s copied from its file); their CRC-32 is
+        computed by a thread meanwhile (it releases the GIL), and is done when this returns (a chunk's buffer
+        is reused once it does)."""
+        if isinstance(data, FileRange):
+            crc = self._crc_thread().submit(data.crc, m.crc)
+            try:
+                self.at += data.copy_to(self.f)
+            finally:
+                m.crc = crc.result()
+            m.size += data.nbytes
+            return
         view = memoryview(data).cast("B")
         if view.nbytes < _OVERLAP_BYTES:
             m.crc = crc32(view, m.crc)
         else:
-            if self._crcs is None:
-                self._crcs = ThreadPoolExecutor(1, thread_name_prefix="clipcli-crc")
-            crc = self._crcs.submit(crc32, view, m.crc)
+            crc = self._crc_thread().submit(crc32, view, m.crc)
             try:
                 self._write(view)
             finally:
@@ -70,6 +78,11 @@ class Archive:
             return
         m.size += view.nbytes
         self._write(view)
+
+    def _crc_thread(self) -> ThreadPoolExecutor:
+        if self._crcs is None:
+            self._crcs = ThreadPoolExecutor(1, thread_name_prefix="clipcli-crc")
+        return self._crcs
 
     def release(self) -> None:
         """Ends the thread that computes CRC-32s, if one was started."""

@@ -16,6 +16,7 @@ from clipcli.checkpoint.formats._pickle import unpickle
 from clipcli.checkpoint.formats._pickle_audit import Audit
 from clipcli.checkpoint.formats._torch_records import Storage, Storages, resolve
 from clipcli.checkpoint.formats._torchscript import SCRIPT_RECORDS, code_record, declared_classes, module_state
+from clipcli.checkpoint.plugin import defect
 from clipcli.checkpoint.zipmember import zip_data_start
 from clipcli.errors import ClipcliError, FileTypeError, MalformedError, UnsupportedError
 
@@ -212,7 +213,13 @@ def _read_member(
         # as 0, and torch reads such files: no checksum to check, rather than a wrong one
         info = copy.copy(info)
         del info.CRC
-    data = z.read(info)
+    try:
+        data = z.read(info)
+    except zipfile.BadZipFile as e:
+        if "CRC" not in str(e):
+            raise
+        # the defect verify names for a storage too (`zipmember.crc_findings`): a record damaged, not malformed
+        raise defect("crc", f"member {info.filename}: Bad CRC-32 for the member (it is damaged)") from e
     if len(data) != info.file_size:
         raise MalformedError(f"record {info.filename} holds {len(data)} bytes, not {info.file_size}")
     return data

@@ -4,8 +4,9 @@ A distributed checkpoint ("DCP") is a directory. Its `.metadata` is a pickle of 
 `state_dict_metadata` gives every fully qualified name either a tensor (global shape, dtype, and the
 chunks it was saved in, each at its offsets in the global tensor) or a non-tensor item; `storage_data`
 says where each chunk and item lies: bytes [offset, offset + length) of a `.distcp` file, each a
-complete torch.save file. The pickle runs on clipcli's restricted machine (`_pickle`) with an allowlist
-of exactly the classes and functions that DCP's metadata names, each resolved to a plain record here;
+complete torch.save file. The pickle runs on clipcli's restricted machine (`_pickle`), which resolves the
+classes and functions DCP's metadata names to plain records here and makes any other global an inert,
+audited placeholder (the read fails only where one stands in place of a record it needs);
 the torch.save files are read by `_torch`, through `_dcp_files` (where each lies, each file checked once).
 Nothing of torch is imported or run, and no tensor data is
 read: `read_dcp` returns where every chunk's bytes are, checked.
@@ -150,8 +151,8 @@ def read_dcp(
 
     Raises:
         MissingFileError: when `.metadata` or a file it lists does not exist.
-        MalformedError: when the checkpoint breaks the format (UnsafePickleError when a pickle asks
-            for code).
+        MalformedError: when the checkpoint breaks the format (UnsafePickleError when a pickle runs an
+            opcode clipcli never runs); a foreign global is a placeholder, counted in `audit`.
         UnsupportedError: for storage transforms, DCP's safetensors format, dtypes or versions clipcli
             does not read.
     """
@@ -207,7 +208,7 @@ def _read_metadata(where: Path, store: Store, audit: Audit) -> DcpObject:
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror or e}", where) from e
     try:
-        root = unpickle(data, resolve, audit=audit)
+        root = unpickle(data, resolve, audit=audit, placeholders=True)
     except ClipcliError as e:
         e.path = str(where)
         raise

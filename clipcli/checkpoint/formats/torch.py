@@ -361,8 +361,21 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
 
 
 def _crc_findings(path: Path, store: Store = LOCAL) -> list[Finding]:
-    """Each record of a PyTorch zip whose bytes do not match their CRC-32 (none where torch recorded each as 0)."""
-    return crc_findings(path, store, zero_is_none=True)
+    """Each record of a PyTorch zip whose bytes do not match their CRC-32 (none where torch recorded each as 0):
+    a storage's, once for each tensor on it (every name of a shared storage), another record's as the file's."""
+    found = crc_findings(path, store, tensor_of=lambda member: member, zero_is_none=True)  # the member, for now
+    if not found:
+        return found
+    on_storage: dict[str, list[str]] = {}
+    for t in read_torch(path, store=store)[1]:  # opened before (verify's scan): only to name the tensors
+        if t.storage_key:
+            on_storage.setdefault(t.storage_key, []).append(t.name)
+    out = []
+    for f in found:
+        _, _, record = (f.tensor or "").partition("/")
+        names = on_storage.get(record.removeprefix("data/"), [])  # TorchScript's constants keep their folder
+        out.extend([f._replace(tensor=name) for name in names] or [f._replace(tensor=None)])
+    return out
 
 
 FORMAT = Format(

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from clipcli.checkpoint.copy import FileRange
 from clipcli.checkpoint.crc import crc32
 from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
 from clipcli.checkpoint.formats._torch_pickler import STORAGE, Call, Pickler, TensorRef
@@ -340,7 +341,7 @@ def write(
                 continue
             m = archive.begin(f"data/{ref.key}", t.nbytes)
             for chunk in chunks(t):
-                archive.data(m, np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+                archive.data(m, chunk if isinstance(chunk, FileRange) else _bytes_of(chunk))
             archive.end(m)
             written[ref.key] = m.crc
             expect(t, m.size)
@@ -350,6 +351,10 @@ def write(
         archive.close()
     finally:
         archive.release()
+
+
+def _bytes_of(chunk: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
 
 
 def _check_tied(t: TensorInfo, first: TensorRef, written: dict[str, int], chunks: Iterable[np.ndarray]) -> int:
@@ -362,7 +367,10 @@ def _check_tied(t: TensorInfo, first: TensorRef, written: dict[str, int], chunks
     n = 0
     crc = 0
     for chunk in chunks:
-        data = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+        if isinstance(chunk, FileRange):
+            crc, n = chunk.crc(crc), n + chunk.nbytes
+            continue
+        data = _bytes_of(chunk)
         crc = crc32(data, crc)
         n += data.nbytes
     if (n, crc) != (first.tensor.nbytes, written[first.key]):

@@ -36,8 +36,10 @@ dotted names and rendered as clipcli renders the leaves of a torch.save file; th
 
 `malformed/` holds `.metadata` files edited by torch's own pickling (each read with the files of
 `sharded/`): overlapping chunks, a hole, a chunk missing from storage_data, a path with `..`, an
-absolute path, a foreign global (`os.system`, never to be run), a dtype the chunks do not hold, a
-storage transform, an unknown metadata version.
+absolute path, a dtype the chunks do not hold, a storage transform, an unknown metadata version.
+`foreign/` holds `.metadata` files (read the same way) that name globals beyond DCP's own: a call of
+`os.system` in `storage_meta.modules` (never to be run) and an `argparse.Namespace` as `planner_data`
+(`make_dcp.py foreign` writes these alone).
 
 `.metadata` holds a random save id, so the files differ from run to run; the tensors do not.
 """
@@ -484,10 +486,30 @@ def malformed(base: Path, out: Path) -> None:
     variant("missing_item", lambda md: md.storage_data.pop(first_index(md, "epoch")))
     variant("dotdot", set_path("replicated", "../sharded/__1_0.distcp"))
     variant("absolute", set_path("replicated", "/etc/passwd"))
-    variant("foreign_global", lambda md: setattr(md.storage_meta, "modules", [Payload()]))
     variant("wrong_dtype", lambda md: setattr(md.state_dict_metadata["rows"].properties, "dtype", torch.float64))
     variant("transform", transform)
     variant("version", lambda md: setattr(md, "version", "2.0.0"))
+
+
+# -- foreign globals in metadata -------------------------------------------------------------------------
+
+
+def foreign(base: Path, out: Path) -> None:
+    """`.metadata` files (read with the files of `sharded/`) whose pickle names globals beyond DCP's own, in
+    fields torch leaves free: inert placeholders for clipcli, which audits them and still reads the tensors."""
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def variant(name: str, edit) -> None:
+        md = FileSystemReader(base).read_metadata()
+        md.storage_meta.load_id = None
+        edit(md)
+        with open(out / f"{name}.metadata", "wb") as f:
+            pickle.dump(md, f)
+
+    out.mkdir(exist_ok=True)
+    variant("foreign_global", lambda md: setattr(md.storage_meta, "modules", [Payload()]))  # calls os.system
+    variant("namespace", lambda md: setattr(md, "planner_data", argparse.Namespace(lr=0.1, tag="run-7")))
 
 
 def main() -> None:
@@ -504,6 +526,7 @@ def main() -> None:
         os.chdir(HERE)  # .metadata records the path it was given: keep it relative
         try:
             names = ("single", "items", "sharded", "megatron", "megatron_mcore015", "safetensors_format", "malformed")
+            names += ("foreign",)
             for name in names:
                 shutil.rmtree(HERE / name, ignore_errors=True)
             single(Path("single"))
@@ -518,6 +541,7 @@ def main() -> None:
             for name in ("single", "sharded", "megatron", "megatron_mcore015"):
                 write_expected(HERE / name)
             malformed(HERE / "sharded", HERE / "malformed")
+            foreign(HERE / "sharded", HERE / "foreign")
         finally:
             os.chdir(cwd)
 
@@ -528,5 +552,8 @@ if __name__ == "__main__":
         shutil.rmtree("items", ignore_errors=True)
         items(Path("items"))
         Path("items.json").write_text(json.dumps(items_expected(Path("items")), indent=1, sort_keys=True) + "\n")
+    elif sys.argv[1:] == ["foreign"]:  # those .metadata files alone, over sharded/ as it is
+        os.chdir(HERE)
+        foreign(HERE / "sharded", HERE / "foreign")
     else:
         main()

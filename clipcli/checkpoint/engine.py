@@ -142,21 +142,18 @@ def _tasks(
 
 
 def _small_runs(tensors: Sequence[Any], max_bytes: int) -> list[tuple[int, int]] | None:
-    """`_tasks`' runs (first and end index) where every tensor is small, at a `Span` of one file, each after the
-    one before within `_GAP` bytes (a safetensors file of adapters): found per run, not per tensor; None
-    where not so."""
-    if (
-        not tensors
-        or set(map(type, map(_LOCATION, tensors))) != {Span}
-        or len(set(map(_FILE, tensors))) != 1
-        or None in set(map(_ARRAY_DTYPE, tensors))
-    ):
+    """`_tasks`' runs (first, end) where all are small, in order at `Span`s of one file (found per run), else None."""
+    if not tensors or set(map(type, map(_LOCATION, tensors))) != {Span} or len(set(map(_FILE, tensors))) != 1:
         return None
     sizes = np.fromiter(map(_NBYTES, tensors), np.int64, len(tensors))
     offsets = np.fromiter(map(_OFFSET, map(_LOCATION, tensors)), np.int64, len(tensors))
     ends = offsets + sizes
     gaps = offsets[1:] - ends[:-1]
-    if sizes.max() > SMALL_TENSOR or (gaps < 0).any() or (gaps > _GAP).any():
+    if (
+        None in set(map(_ARRAY_DTYPE, tensors))
+        or sizes.max() > SMALL_TENSOR
+        or not ((gaps >= 0) & (gaps <= _GAP)).all()
+    ):
         return None
     runs, i, starts = [], 0, offsets.tolist()
     while i < len(starts):  # a run takes those ending within max_bytes of its start (one at least)
@@ -166,8 +163,9 @@ def _small_runs(tensors: Sequence[Any], max_bytes: int) -> list[tuple[int, int]]
     return runs
 
 
-_NBYTES, _LOCATION, _FILE, _ARRAY_DTYPE = map(operator.attrgetter, ("nbytes", "location", "file", "array_dtype"))
-_OFFSET = operator.attrgetter("offset")
+_NBYTES, _LOCATION, _FILE, _ARRAY_DTYPE, _OFFSET = map(
+    operator.attrgetter, ("nbytes", "location", "file", "array_dtype", "offset")
+)
 
 
 def geometry(t: Any, max_bytes: int, align: int, unit: int = 1) -> tuple[np.dtype, int]:

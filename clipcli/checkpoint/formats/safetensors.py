@@ -22,6 +22,9 @@ from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
+# Headers up to this length are parsed into plain dicts (`_plain`: fast, about 250 bytes a tensor more at the peak);
+# longer ones by `_object`, a few objects a tensor (a header may list a million tensors)
+PLAIN_HEADER = 4 << 20
 SAFETENSORS = "a safetensors file"
 _JSON_SPACE = b" \t\r\n"
 
@@ -130,9 +133,9 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         FileTypeError: when the file is evidently something else.
         MalformedError: when a reference rule is broken (naming its `defect` kind where the data's layout is).
     """
-    n, metadata, header = _parse(path, f, size)
+    n, metadata, header, plain = _parse(path, f, size)
     base = 8 + n
-    entries = _plain_entries(header, base) if type(header) is _Plain else None
+    entries = _plain_entries(header, base) if plain else None
     if entries is None:
         entries = [  # (`_entry`, its common case written out: a header may list a million)
             (base + info.begin, info.end - info.begin, name, info.dtype, info.shape)
@@ -157,7 +160,7 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     with store.open(path) as f, gc_paused():
         size = size_of(f)
         try:
-            n, _, header = _parse(path, f, size)
+            n, _, header, _ = _parse(path, f, size)
         except FileTypeError:
             raise
         except (MalformedError, UnsupportedError) as e:  # no header to go on with
@@ -177,9 +180,9 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     return out + [Finding.of(d) for d in _layout_defects(path, entries, 8 + n, size)]
 
 
-def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dict[str, Any]]:
+def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dict[str, Any], bool]:
     """The header's length, metadata and tensors' objects (unchecked), by the reference rules of the length
-    prefix, the JSON and `__metadata__`."""
+    prefix, the JSON and `__metadata__`, and whether `_plain` parsed them (into plain dicts)."""
     prefix = f.read(8)
     if len(prefix) < 8:
         raise _not_safetensors(path, f, f"only {size} bytes, too short for a safetensors header", "truncated")
@@ -197,7 +200,10 @@ def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dic
         ints = {"parse_int": _json_int} if b"-0" in raw else {}
         text = raw.decode("utf-8")
         del raw  # (up to 100 MB: not held beside its text and what it parses into)
-        header = _plain(text, ints) or json.loads(text, object_pairs_hook=_object, **ints)
+        header = _plain(text, ints) if n <= PLAIN_HEADER else None
+        plain = header is not None
+        if header is None:
+            header = json.loads(text, object_pairs_hook=_object, **ints)
         del text
         if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
             header = header.as_json()
@@ -216,12 +222,7 @@ def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dic
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise MalformedError("__metadata__ must map strings to strings", path)
-    return n, metadata, header
-
-
-class _Plain(dict):  # type: ignore[type-arg]
-    """A header parsed into plain dicts (`_plain`): every tensor's object has the three keys of one, and no
-    object repeats a key; `_plain_entries` checks the values."""
+    return n, metadata, header, plain
 
 
 _FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
@@ -230,7 +231,7 @@ _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _BITS = operator.attrgetter("bits")
 
 
-def _plain(text: str, ints: dict[str, Any]) -> _Plain | None:
+def _plain(text: str, ints: dict[str, Any]) -> dict[str, Any] | None:
     """The header parsed by Python's JSON parser alone (in C: `_object` is a call per tensor), when its form is
     the common one: each entry but `__metadata__` an object of the three keys of a tensor's, a string dtype,
     and no string elsewhere but in the metadata's keys and values. None for any other text, which the parse
@@ -268,12 +269,14 @@ def _plain(text: str, ints: dict[str, Any]) -> _Plain | None:
         return None
     if set(map(type, codes)) - {str}:
         return None
-    return _Plain(header)
+    return header
 
 
-def _plain_entries(header: _Plain, base: int) -> list[Entry] | None:
-    """The entries of a `_Plain` header (its data from `base`), checked in one pass over all of them as `_object`
-    checks one; None when any is not of that common case (`_checked_entry` then says what is wrong)."""
+def _plain_entries(header: dict[str, Any], base: int) -> list[Entry] | None:
+    """The entries of a header that `_plain` parsed (its data from `base`), checked in one pass over all of them
+    as `_object` checks one; None when any is not of that common case (`_checked_entry` then says what is
+    wrong). Once they all are, the header's objects are let go before the entries are made (`header` is left
+    empty): a header may list a million."""
     names, infos = list(header), list(header.values())
     if not names:
         return None
@@ -286,22 +289,21 @@ def _plain_entries(header: _Plain, base: int) -> list[Entry] | None:
         return None
     if set(map(type, chain.from_iterable(lists))) - {int}:
         return None
-    shapes = list(map(tuple, lists))
-    counts: dict[tuple[int, ...], int] = {}  # each shape's element count, checked once (a header holds few shapes)
-    for shape in set(shapes):
-        if not _counts(shape):
-            return None
-        counts[shape] = math.prod(shape)
-    if set(map(len, offsets)) - {2}:
+    alike: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape (a header holds few), checked once
+    shapes = [alike.setdefault(shape, shape) for shape in map(tuple, lists)]
+    if not all(map(_counts, alike)) or set(map(len, offsets)) - {2}:
         return None
+    counts = {shape: math.prod(shape) for shape in alike}
     begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
     if set(map(type, begins)) - {int} or set(map(type, ends)) - {int} or min(begins) < 0 or max(ends) >= MAX_COUNT:
         return None
     sizes = list(map(operator.sub, ends, begins))
     # data, so no dimension is 0 and none overflows (see `_checked_entry`)
-    bits = list(map(operator.mul, map(counts.__getitem__, shapes), map(_BITS, dtypes)))
-    if min(sizes) <= 0 or bits != list(map((8).__mul__, sizes)):
+    bits = map(operator.mul, map(counts.__getitem__, shapes), map(_BITS, dtypes))
+    if min(sizes) <= 0 or any(map(operator.ne, bits, map((8).__mul__, sizes))):
         return None
+    del infos, lists, offsets, ends
+    header.clear()
     return list(zip(map(base.__add__, begins), sizes, names, dtypes, shapes, strict=True))
 
 

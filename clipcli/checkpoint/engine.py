@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import operator
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -104,6 +105,9 @@ def chunk_bytes(jobs: int) -> int:
 def _tasks(
     reader: Reader, tensors: Sequence[Any], max_bytes: int, align: dict[str, int], unit: int, whole: bool = False
 ) -> list[_Task]:
+    runs = _small_runs(tensors, max_bytes)
+    if runs is not None:
+        return [_Task(tuple(range(i, j)), batch=True) for i, j in runs]
     tasks: list[_Task] = []
     run: list[int] = []  # small tensors lying one after another in one file
 
@@ -135,6 +139,33 @@ def _tasks(
         tasks += [_Task((i,), offset, n) for offset, n in spans(t.nbytes, per_chunk)]
     flush()
     return tasks
+
+
+def _small_runs(tensors: Sequence[Any], max_bytes: int) -> list[tuple[int, int]] | None:
+    """`_tasks`' runs (first, end) where all are small, in order at `Span`s of one file (found per run), else None."""
+    if not tensors or set(map(type, map(_LOCATION, tensors))) != {Span} or len(set(map(_FILE, tensors))) != 1:
+        return None
+    sizes = np.fromiter(map(_NBYTES, tensors), np.int64, len(tensors))
+    offsets = np.fromiter(map(_OFFSET, map(_LOCATION, tensors)), np.int64, len(tensors))
+    ends = offsets + sizes
+    gaps = offsets[1:] - ends[:-1]
+    if (
+        None in set(map(_ARRAY_DTYPE, tensors))
+        or sizes.max() > SMALL_TENSOR
+        or not ((gaps >= 0) & (gaps <= _GAP)).all()
+    ):
+        return None
+    runs, i, starts = [], 0, offsets.tolist()
+    while i < len(starts):  # a run takes those ending within max_bytes of its start (one at least)
+        j = max(i + 1, int(np.searchsorted(ends, starts[i] + max_bytes, "right")))
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+_NBYTES, _LOCATION, _FILE, _ARRAY_DTYPE, _OFFSET = map(
+    operator.attrgetter, ("nbytes", "location", "file", "array_dtype", "offset")
+)
 
 
 def geometry(t: Any, max_bytes: int, align: int, unit: int = 1) -> tuple[np.dtype, int]:

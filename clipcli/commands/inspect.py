@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clipcli.checkpoint import Checkpoint, TensorInfo
 from clipcli.commands.select import EVERY, Selection, order, shared_storages
 from clipcli.errors import shown_path
 from clipcli.report.audit import PickleAudit
-from clipcli.report.listing import Listing
-from clipcli.report.rows import InspectRow, listed
+
+if TYPE_CHECKING:  # (imported where a listing is made: every command imports `pickle_audit` from here)
+    from clipcli.report.listing import Listing
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ def inspect(ckpt: Checkpoint, options: InspectOptions = InspectOptions()) -> Lis
     Raises:
         UsageError: when --include/--exclude select no tensor.
     """
+    from clipcli.report.listing import Listing
+
     selection = options.selection
     selection.check(ckpt)
     tensors = [t for t in ckpt.tensors if selection.listed(t)]
@@ -38,6 +41,8 @@ def listing_fields(
     ckpt: Checkpoint, tensors: list[TensorInfo], files: dict[str, str], sort: str | None, top: int | None
 ) -> dict[str, Any]:
     """The fields of a `Listing` of `tensors` of `ckpt`, each in its file (`files[name]`, else its own)."""
+    from clipcli.report.rows import InspectRow, listed
+
     rows = [InspectRow(t.name, t.dtype, t.shape, t.nbytes, shown_path(files.get(t.name, t.file))) for t in tensors]
     return {
         "path": str(ckpt.path),

@@ -58,6 +58,16 @@ class NormKernel:
     def batch(self, ts: list[TensorInfo], raw: np.ndarray, starts: list[int]) -> None:
         """Whole small tensors read together: runs of one native dtype, fewer than BLOCK values each, in a
         few NumPy passes for the run (`small_norms`, the same bits)."""
+        dtype = ts[0].array_dtype
+        if (  # the common case, tested at once: a run of them all
+            len(set(map(_ARRAY_DTYPE, ts))) == 1
+            and set(map(_STORED_DTYPE, ts)) == {None}
+            and is_floating(dtype)
+            and max(map(_NBYTES, ts)) < BLOCK * dtype.itemsize
+        ):
+            values = gathered(raw, starts, ts, dtype)
+            self.small.append(([u.name for u in ts], small_norms(values, _sizes(ts, dtype), self.p)))
+            return
         i = 0
         while i < len(ts):
             t = ts[i]
@@ -88,7 +98,7 @@ def _sizes(run: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
     return np.fromiter(map(_NBYTES, run), np.int64, len(run)) // dtype.itemsize
 
 
-_NBYTES = operator.attrgetter("nbytes")
+_NBYTES, _ARRAY_DTYPE, _STORED_DTYPE = map(operator.attrgetter, ("nbytes", "array_dtype", "stored_dtype"))
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -87,7 +88,17 @@ def select(ckpt: Checkpoint, selection: Selection, real_only: bool = False) -> t
     Raises:
         UsageError: when the patterns select no tensor (`Selection.check`).
     """
+    tensors = ckpt.tensors
+    if (  # the common case, tested at once: no pattern, and every tensor of a floating type (`floating`)
+        not (selection.include or selection.exclude)
+        and set(map(_SKIP, tensors)) <= {None}
+        and all(d is not None and _floating(d) for d in set(map(_ARRAY_DTYPE, tensors)))
+    ):
+        return list(tensors), []
     return partition(ckpt, selection, lambda t: selection.reason_to_skip(t, real_only))
+
+
+_SKIP, _ARRAY_DTYPE = operator.attrgetter("skip"), operator.attrgetter("array_dtype")
 
 
 def without_values(t: TensorInfo, selection: Selection, what: str) -> str | None:

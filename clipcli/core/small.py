@@ -5,14 +5,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clipcli.core.blocks import BLOCK, segment_power_sums, widen
-from clipcli.core.differences import DiffAccumulator, DiffFigures, product_scales
 from clipcli.core.exact import ExactSum, cosine_of, int_quotient, int_root, int_term, ldexp, share, sqrt_quotients
 from clipcli.core.norms import NormAccumulator, parse_ord
+
+if TYPE_CHECKING:  # (the differences are imported where pairs are measured: a run of norms needs none)
+    from clipcli.core.differences import DiffAccumulator, DiffFigures
 
 
 @dataclass(eq=False)
@@ -154,6 +156,8 @@ class SmallDiffs:
 
     def accumulator(self, j: int) -> DiffAccumulator:
         """What adding pair j to a `DiffAccumulator` of its own gives."""
+        from clipcli.core.differences import DiffAccumulator
+
         if j in self.general:
             return self.general[j]
         sides = tuple(side.accumulator(j) for side in self._sides())
@@ -257,6 +261,8 @@ def small_diffs(a: np.ndarray, b: np.ndarray, sizes: Sequence[int], ord: Any = 2
     The same bits as adding each pair to a `DiffAccumulator` of its own, in a few NumPy passes for all of
     them: two LoRA adapters of 12,000 tiny tensors compare at the speed of their bytes, not of 12,000 objects.
     """
+    from clipcli.core.differences import DiffAccumulator, product_scales
+
     p = parse_ord(ord)
     lengths = np.asarray(sizes, np.int64)
     if a.size != b.size or lengths.sum() != a.size or (lengths >= BLOCK).any() or (lengths <= 0).any():

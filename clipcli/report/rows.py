@@ -77,7 +77,7 @@ class Summary:
 
 def summarize(rows: Sequence[TensorRow], max_abs_after: float | None = None) -> Summary:
     """The summary of all selected tensors' rows."""
-    shares = [-1.0 if r.share is None or math.isnan(r.share) else r.share for r in rows]
+    shares = [-1.0 if x is None or x != x else x for x in map(_SHARE, rows)]  # (x != x: NaN)
     top = max(shares, default=-1.0)
     nan, inf = sum(map(_NAN, rows)), sum(map(_INF, rows))
     return Summary(
@@ -87,7 +87,7 @@ def summarize(rows: Sequence[TensorRow], max_abs_after: float | None = None) -> 
         inf=inf,
         largest=rows[shares.index(top)] if top >= 0 else None,
         max_abs_after=max_abs_after,
-        elements=sum(math.prod(r.shape) for r in rows),
+        elements=sum(map(math.prod, map(_SHAPE, rows))),
         nbytes=sum(map(_NBYTES, rows)),
         nonfinite=tuple(r for r in rows if r.nan or r.inf) if nan or inf else (),
     )
@@ -105,4 +105,6 @@ def listed(rows: Sequence[InspectRow]) -> Summary:
     )
 
 
-_NAN, _INF, _MAX_ABS, _NBYTES = (operator.attrgetter(f) for f in ("nan", "inf", "max_abs", "nbytes"))
+_NAN, _INF, _MAX_ABS, _NBYTES, _SHARE, _SHAPE = map(
+    operator.attrgetter, ("nan", "inf", "max_abs", "nbytes", "share", "shape")
+)

@@ -14,7 +14,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
@@ -927,6 +927,44 @@ def test_the_engine_gives_the_same_bits_for_any_jobs_chunk_size_and_worker_kind(
         for t in ckpt.tensors:
             whole.merge(_whole(ckpt, t, ord_))
     assert results == {whole.result()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(st.sampled_from([0, 1, 16, 48, 64, 300]), st.sampled_from([0, 0, 1, 4096, 4097])), max_size=40
+    ),
+    max_bytes=st.sampled_from([1, 16, 64, 128, 1 << 20]),  # (runs ending exactly at their limit among them)
+    other=st.sampled_from(["", "file", "dtype", "big", "back"]),
+)
+@example(layout=[(16, 0), (48, 0), (0, 0), (1, 0)], max_bytes=64, other="")  # a run that ends at its limit
+def test_small_tensors_fall_into_the_same_tasks_found_per_run_as_per_tensor(layout, max_bytes, other):
+    # the runs of small tensors are found per run where every tensor is small and in order (found timing 10,000
+    # tiny tensors): the same tasks as the loop over every tensor
+    from clipcli.checkpoint import TensorInfo
+    from clipcli.checkpoint import engine as _engine
+    from clipcli.checkpoint.engine import SMALL_TENSOR
+    from clipcli.checkpoint.tensor import Span
+
+    tensors, end = [], 0
+    for i, (nbytes, gap) in enumerate(layout):
+        file, dtype = "a", np.dtype(np.uint8)
+        if i == len(layout) // 2 and other:  # one unlike the rest
+            nbytes, gap = (
+                (SMALL_TENSOR + 1, gap) if other == "big" else (nbytes, -min(end, 5) if other == "back" else gap)
+            )
+            file, dtype = ("b" if other == "file" else file), (None if other == "dtype" else dtype)
+        tensors.append(TensorInfo(f"t{i}", "uint8", (nbytes,), nbytes, file, dtype, location=Span(end + gap)))
+        end += gap + nbytes
+    runs = _engine._tasks(_AnyReader(), tensors, max_bytes, {}, 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_engine, "_small_runs", lambda *args: None)
+        assert _engine._tasks(_AnyReader(), tensors, max_bytes, {}, 1) == runs
+
+
+class _AnyReader:
+    def random_access(self, t):
+        return True
 
 
 def _whole(ckpt, t, ord_):

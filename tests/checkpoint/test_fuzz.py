@@ -22,11 +22,13 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
 from clipcli.checkpoint import CHUNK_BYTES, MAX_LZMA_DICTIONARY, open_checkpoint
+from clipcli.checkpoint.formats import safetensors as safetensors_format
 from clipcli.core.norms import NormAccumulator
 from clipcli.errors import ClipcliError
 from tests.helpers import byte_mutations, first_tensor_norm_and_peak, st_bytes
@@ -224,6 +226,65 @@ def test_fuzz_safetensors_bytes(tmp_path, data, base):
 @given(data=st.data(), base=st.sampled_from(base_safetensors()))
 def test_fuzz_safetensors_header(tmp_path, data, base):
     check(tmp_path, ".safetensors", data.draw(header_mutations(base)))
+
+
+@st.composite
+def compact_headers(draw) -> bytes:
+    """A header laid out as the reference writer lays it out (no spaces) over small float32 tensors, with keys
+    repeated where the reference reader refuses them: a tensor's name (beside any value), a key of a tensor's
+    object, a key of the metadata, the metadata itself."""
+    pairs: list[tuple[str, str]] = []
+    offset = 0
+    for i in range(draw(st.integers(1, 4))):
+        count = draw(st.integers(1, 2))  # (shapes alike: one of floats or booleans among them)
+        dim = draw(st.sampled_from([str(count)] * 6 + [f"{count}.0", "true", f"{count},1", "-1"]))  # (one shape)
+        fields = ['"dtype":"F32"', f'"shape":[{dim}]', f'"data_offsets":[{offset},{offset + 4 * count}]']
+        offset += 4 * count
+        if draw(st.integers(0, 3)) == 0:
+            fields.insert(draw(st.integers(0, 3)), draw(st.sampled_from(fields)))
+        pairs.append((f"t{i}", "{" + ",".join(fields) + "}"))
+    if draw(st.booleans()):
+        keys = draw(st.lists(st.sampled_from(["k", "m"]), max_size=3))
+        pairs.insert(0, ("__metadata__", "{" + ",".join(f'"{k}":"v"' for k in keys) + "}"))
+    for _ in range(draw(st.integers(0, 2))):
+        name = draw(st.sampled_from([k for k, _ in pairs]))
+        value = draw(st.sampled_from(["5", '"x"', "{}", "null", "[]", dict(pairs)[name]]))
+        pairs.insert(draw(st.integers(0, len(pairs))), (name, value))
+    raw = ("{" + ",".join(f'"{k}":{v}' for k, v in pairs) + "}").encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(offset)
+
+
+def _outcome(path: Path) -> object:
+    try:
+        with open_checkpoint(path) as ckpt:
+            return ckpt.metadata, [(t.name, t.dtype, t.shape, t.nbytes, t.location) for t in ckpt.tensors]
+    except ClipcliError as e:
+        return f"{type(e).__name__}: {e} ({e.status})"
+
+
+def _repeats_a_key(text: str) -> bool:
+    repeated = []
+    json.loads(text, object_pairs_hook=lambda pairs: repeated.append(len(dict(pairs)) < len(pairs)))
+    return any(repeated)
+
+
+@FUZZ
+@given(data=st.data(), base=st.sampled_from(base_safetensors()), compact=st.booleans())
+def test_fuzz_safetensors_header_plain_parse_reads_as_the_checked_parse(tmp_path, data, base, compact):
+    """A header parsed into plain dicts (`_plain`, taken when no key repeats) gives the tensors, metadata and
+    errors that the parse checking each object as it is made gives."""
+    content = data.draw(compact_headers() if compact else header_mutations(base))
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(content)
+    ours = _outcome(path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(safetensors_format, "_plain", lambda text, ints: None)
+        assert _outcome(path) == ours
+    if compact:  # every object of these is of the plain form: it is taken exactly when no key repeats
+        (n,) = struct.unpack("<Q", content[:8])
+        text = content[8 : 8 + n].decode()
+        assert (safetensors_format._plain(text, {}) is None) == _repeats_a_key(text), text
 
 
 @FUZZ

@@ -53,11 +53,14 @@ HEAVY = (
     "clipcli.report.diff",
     "clipcli.report.progress",
 )
+# what only other commands use: the array operations and differences (their record types cost start-up), inspect's
+# listing
+NOT_FOR_NORMS = ("clipcli.core.ops", "clipcli.core.differences", "clipcli.report.listing")
 
 
-def started(*args: object) -> dict:
+def started(*args: object, heavy: tuple[str, ...] = HEAVY) -> dict:
     r = subprocess.run(
-        [sys.executable, "-c", _RUN, ",".join(HEAVY), *map(str, args)],
+        [sys.executable, "-c", _RUN, ",".join(heavy), *map(str, args)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -74,6 +77,9 @@ def test_a_json_global_norm_imports_only_what_it_draws_and_builds_one_command(tm
     run = started("global-norm", path, "--format", "json")
     assert json.loads(run["stdout"])["checkpoints"][0]["global_norm"] == float(np.sqrt(55 + 3))
     assert run["heavy"] == []
+    # found profiling the same run: the core's package imported the differences and the operations, and every
+    # command the listing of inspect (with `pickle_audit`), for no use
+    assert started("global-norm", path, "--format", "json", heavy=NOT_FOR_NORMS)["heavy"] == []
     assert run["built"] == 1
 
 

@@ -7,6 +7,7 @@ import math
 import operator
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -21,6 +22,9 @@ from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
+# Headers up to this length are parsed into plain dicts (`_plain`: fast, about 250 bytes a tensor more at the peak);
+# longer ones by `_object`, a few objects a tensor (a header may list a million tensors)
+PLAIN_HEADER = 4 << 20
 SAFETENSORS = "a safetensors file"
 _JSON_SPACE = b" \t\r\n"
 
@@ -129,17 +133,20 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         FileTypeError: when the file is evidently something else.
         MalformedError: when a reference rule is broken (naming its `defect` kind where the data's layout is).
     """
-    n, metadata, header = _parse(path, f, size)
+    n, metadata, header, plain = _parse(path, f, size)
     base = 8 + n
-    entries = [  # (`_entry`, its common case written out: a header may list a million)
-        (base + info.begin, info.end - info.begin, name, info.dtype, info.shape)
-        if type(info) is _Parsed
-        else _checked_entry(path, name, info, base)
-        for name, info in header.items()
-    ]
+    entries = _plain_entries(header, base) if plain else None
+    if entries is None:
+        entries = [  # (`_entry`, its common case written out: a header may list a million)
+            (base + info.begin, info.end - info.begin, name, info.dtype, info.shape)
+            if type(info) is _Parsed
+            else _checked_entry(path, name, info, base)
+            for name, info in header.items()
+        ]
     entries.sort(key=_DATA_ORDER)
-    for error in _layout_defects(path, entries, 8 + n, size):
-        raise error
+    if not _contiguous(entries, base, size):
+        for error in _layout_defects(path, entries, base, size):
+            raise error
     return metadata, entries
 
 
@@ -153,7 +160,7 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     with store.open(path) as f, gc_paused():
         size = size_of(f)
         try:
-            n, _, header = _parse(path, f, size)
+            n, _, header, _ = _parse(path, f, size)
         except FileTypeError:
             raise
         except (MalformedError, UnsupportedError) as e:  # no header to go on with
@@ -173,9 +180,9 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     return out + [Finding.of(d) for d in _layout_defects(path, entries, 8 + n, size)]
 
 
-def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dict[str, Any]]:
+def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dict[str, Any], bool]:
     """The header's length, metadata and tensors' objects (unchecked), by the reference rules of the length
-    prefix, the JSON and `__metadata__`."""
+    prefix, the JSON and `__metadata__`, and whether `_plain` parsed them (into plain dicts)."""
     prefix = f.read(8)
     if len(prefix) < 8:
         raise _not_safetensors(path, f, f"only {size} bytes, too short for a safetensors header", "truncated")
@@ -193,7 +200,10 @@ def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dic
         ints = {"parse_int": _json_int} if b"-0" in raw else {}
         text = raw.decode("utf-8")
         del raw  # (up to 100 MB: not held beside its text and what it parses into)
-        header = json.loads(text, object_pairs_hook=_object, **ints)
+        header = _plain(text, ints) if n <= PLAIN_HEADER else None
+        plain = header is not None
+        if header is None:
+            header = json.loads(text, object_pairs_hook=_object, **ints)
         del text
         if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
             header = header.as_json()
@@ -212,7 +222,99 @@ def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dic
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise MalformedError("__metadata__ must map strings to strings", path)
-    return n, metadata, header
+    return n, metadata, header, plain
+
+
+_FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
+_DTYPE, _SHAPE, _OFFSETS = map(operator.itemgetter, ("dtype", "shape", "data_offsets"))
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_BITS = operator.attrgetter("bits")
+
+
+def _plain(text: str, ints: dict[str, Any]) -> dict[str, Any] | None:
+    """The header parsed by Python's JSON parser alone (in C: `_object` is a call per tensor), when its form is
+    the common one: each entry but `__metadata__` an object of the three keys of a tensor's, a string dtype,
+    and no string elsewhere but in the metadata's keys and values. None for any other text, which the parse
+    with `_object` then reads, refuses or names the duplicate key of.
+
+    A JSON object's repeated key leaves one of its pairs out of the dict, and every pair holds a string, its
+    key: with no backslash in the text, every `"` opens or closes a string, so the text holds no repeated key
+    when its count of `"` is twice the strings the dicts hold.
+    """
+    if "\\" in text:
+        return None
+    try:
+        header = json.loads(text, **ints)
+    except (ValueError, RecursionError):
+        return None
+    if type(header) is not dict:
+        return None
+    strings = 5 * len(header)  # per tensor: its name, three keys and the dtype
+    if "__metadata__" in header:
+        metadata = header["__metadata__"]
+        if metadata is not None and not (
+            type(metadata) is dict and set(map(type, metadata)) | set(map(type, metadata.values())) <= {str}
+        ):
+            return None
+        strings += 1 + 2 * len(metadata or ()) - 5
+    if text.count('"') != 2 * strings:
+        return None
+    infos = [v for k, v in header.items() if k != "__metadata__"]
+    if set(map(type, infos)) - {dict} or set(map(len, infos)) - {3}:
+        return None
+    try:
+        codes = list(map(_DTYPE, infos))
+        list(map(_FIELDS, infos))  # the other two keys
+    except KeyError:
+        return None
+    if set(map(type, codes)) - {str}:
+        return None
+    return header
+
+
+def _plain_entries(header: dict[str, Any], base: int) -> list[Entry] | None:
+    """The entries of a header that `_plain` parsed (its data from `base`), checked in one pass over all of them
+    as `_object` checks one; None when any is not of that common case (`_checked_entry` then says what is
+    wrong). Once they all are, the header's objects are let go before the entries are made (`header` is left
+    empty): a header may list a million."""
+    names, infos = list(header), list(header.values())
+    if not names:
+        return None
+    dtypes, lists, offsets = (
+        list(map(DTYPES.get, map(_DTYPE, infos))),
+        list(map(_SHAPE, infos)),
+        list(map(_OFFSETS, infos)),
+    )
+    if None in dtypes or set(map(type, lists)) - {list} or set(map(type, offsets)) - {list}:
+        return None
+    if set(map(type, chain.from_iterable(lists))) - {int}:
+        return None
+    alike: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape (a header holds few), checked once
+    shapes = [alike.setdefault(shape, shape) for shape in map(tuple, lists)]
+    if not all(map(_counts, alike)) or set(map(len, offsets)) - {2}:
+        return None
+    counts = {shape: math.prod(shape) for shape in alike}
+    begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
+    if set(map(type, begins)) - {int} or set(map(type, ends)) - {int} or min(begins) < 0 or max(ends) >= MAX_COUNT:
+        return None
+    sizes = list(map(operator.sub, ends, begins))
+    # data, so no dimension is 0 and none overflows (see `_checked_entry`)
+    bits = map(operator.mul, map(counts.__getitem__, shapes), map(_BITS, dtypes))
+    if min(sizes) <= 0 or any(map(operator.ne, bits, map((8).__mul__, sizes))):
+        return None
+    del infos, lists, offsets, ends
+    header.clear()
+    return list(zip(map(base.__add__, begins), sizes, names, dtypes, shapes, strict=True))
+
+
+def _contiguous(entries: list[Entry], base: int, size: int) -> bool:
+    """Whether entries (in data order) break none of `_layout_defects`' rules: each starts where the one before
+    ends, the first at `base`, the last ends at `size`."""
+    if not entries:
+        return base == size
+    starts = [e[0] for e in entries]
+    ends = list(map(operator.add, starts, [e[1] for e in entries]))
+    return starts[0] == base and ends[-1] == size and starts[1:] == ends[:-1]
 
 
 def _layout_defects(path: Path, entries: list[Entry], base: int, size: int) -> Iterator[MalformedError]:

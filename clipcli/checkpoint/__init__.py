@@ -3,10 +3,10 @@
 A format is a module under `formats/` ending with its `FORMAT` record (`plugin.Format`), named once in
 `registry`; the modules here know no format: `tensor` (what a header describes, and where its bytes lie),
 `source` (where bytes come from: a `Store` of files, each a `Source` of ranged reads), `reader` (an open
-checkpoint), `decode` (bytes to values), `engine` and `workers` (work over chunks by N workers), `write`
-(plans, checks and writes), `atomic` (the one way a file is written), `copy` (bytes copied unchanged
-by the kernel), `crc` and `zipmember` (zip members
-read in parts or as streams), `defects` (what `verify` finds wrong, by each format's `findings`).
+checkpoint), `decode` (bytes to values), `engine` and `workers` (work over chunks by N workers; `pairs`:
+over two checkpoints in lockstep), `write` (plans, checks and writes), `atomic` (the one way a file is
+written), `copy` (bytes copied unchanged by the kernel), `crc` and `zipmember` (zip members read in parts
+or as streams), `defects` (what `verify` finds wrong, by each format's `findings`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 
 from clipcli.checkpoint.atomic import atomic_write
 from clipcli.checkpoint.copy import FileRange, unchanged_range
-from clipcli.checkpoint.decode import as_values, decode
+from clipcli.checkpoint.decode import as_values, decode, pair_values
 from clipcli.checkpoint.defects import find_defects
-from clipcli.checkpoint.engine import CHUNK_BYTES, map_chunks, pair_values, run, run_pairs
+from clipcli.checkpoint.engine import CHUNK_BYTES, map_chunks, run
+from clipcli.checkpoint.pairs import run_pairs
 from clipcli.checkpoint.plugin import Finding, Format, Opened
 from clipcli.checkpoint.reader import MAX_NUMPY_DIMS, Checkpoint, c_order, open_checkpoint
 from clipcli.checkpoint.registry import register

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from clipcli.checkpoint import workers
-from clipcli.checkpoint.decode import as_values, decode, equal_values, pair_values, stored_type
+from clipcli.checkpoint.decode import as_values, decode, stored_type
 from clipcli.checkpoint.tensor import Span
 
 if TYPE_CHECKING:
@@ -37,10 +37,10 @@ _MIN_CHUNK = 256 << 10
 # more workers than fit.
 WORKERS_BUDGET = 80 << 20
 _WORKER_BYTES = 6 << 20
-# Tensors at most this large, lying one after another (at most _GAP bytes apart: the members of an .npz
+# Tensors at most this large, lying one after another (at most GAP bytes apart: the members of an .npz
 # have their headers between them), are read together as one task.
 SMALL_TENSOR = 256 << 10
-_GAP = 4096
+GAP = 4096
 # Below this many bytes per worker, workers cost more than they save.
 _BYTES_PER_WORKER = 16 << 20
 _PROCESS_BYTES = 64 << 20  # forking pays for itself from about this much data
@@ -91,6 +91,11 @@ class _Task(NamedTuple):
     stream: bool = False
 
 
+def jobs_for(jobs: int, make_kernel: Callable[[], Any], total: int) -> int:
+    """The workers a pass over `total` bytes takes: at most `jobs`, as many as fit, none idle for lack of data."""
+    return max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
+
+
 def _fitting(jobs: int, make_kernel: Callable[[], Any]) -> int:
     """`jobs`, or fewer: as many workers as fit WORKERS_BUDGET with what one of this kernel's takes."""
     worker = getattr(make_kernel(), "worker_bytes", _WORKER_BYTES)
@@ -121,7 +126,7 @@ def _tasks(
         nbytes, loc = t.nbytes, t.location
         if nbytes <= SMALL_TENSOR and isinstance(loc, Span) and t.array_dtype is not None:  # (read anywhere)
             offset = loc.offset
-            if run and not (t.file == file and 0 <= offset - end <= _GAP and offset + nbytes - first <= max_bytes):
+            if run and not (t.file == file and 0 <= offset - end <= GAP and offset + nbytes - first <= max_bytes):
                 flush()
             if not run:
                 file, first = t.file, offset
@@ -149,11 +154,7 @@ def _small_runs(tensors: Sequence[Any], max_bytes: int) -> list[tuple[int, int]]
     offsets = np.fromiter(map(_OFFSET, map(_LOCATION, tensors)), np.int64, len(tensors))
     ends = offsets + sizes
     gaps = offsets[1:] - ends[:-1]
-    if (
-        None in set(map(_ARRAY_DTYPE, tensors))
-        or sizes.max() > SMALL_TENSOR
-        or not ((gaps >= 0) & (gaps <= _GAP)).all()
-    ):
+    if None in set(map(_ARRAY_DTYPE, tensors)) or sizes.max() > SMALL_TENSOR or not ((gaps >= 0) & (gaps <= GAP)).all():
         return None
     runs, i, starts = [], 0, offsets.tolist()
     while i < len(starts):  # a run takes those ending within max_bytes of its start (one at least)
@@ -219,17 +220,17 @@ def run(
     """
     align = align or {}
     total = sum(t.nbytes for t in tensors)
-    jobs = max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
+    jobs = jobs_for(jobs, make_kernel, total)
     max_bytes = chunk_bytes(jobs)
     whole = getattr(make_kernel(), "whole", False)
     tasks = _tasks(reader, tensors, max_bytes, align, unit, whole)
-    work = _Worker(reader, tensors, tasks, make_kernel, max_bytes, align, unit)
-    with _read_ahead([reader], [() if whole else tensors]):
-        return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
+    work = Worker(reader, tensors, tasks, make_kernel, max_bytes, align, unit)
+    with read_ahead([reader], [() if whole else tensors]):
+        return dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
 
 
 @contextlib.contextmanager
-def _read_ahead(readers: list[Any], sides: list[Sequence[Any]]) -> Iterator[None]:
+def read_ahead(readers: list[Any], sides: list[Sequence[Any]]) -> Iterator[None]:
     """Tells each reader (that can use it: a remote one) the tensors whose chunks the run reads, in the order the
     workers take them, for the run's time. Not the tensors one worker reads whole (a hash's, a transposed
     pair's): the workers would wait on one another's read-ahead."""
@@ -249,7 +250,7 @@ def _ignore(n: int) -> None:
     pass
 
 
-class _Worker:
+class Worker:
     """What every worker runs: take the next task, read it into a buffer of its own, feed the kernel."""
 
     def __init__(
@@ -274,7 +275,7 @@ class _Worker:
         self, take: Callable[[], int], progress: Callable[[int], None], stop: threading.Event | None = None
     ) -> Any:
         kernel = self.make_kernel()
-        buffers = _Buffers(self.max_bytes)  # this worker's own (threads share the _Worker)
+        buffers = Buffers(self.max_bytes)  # this worker's own (threads share the Worker)
         while True:
             try:
                 i = take()
@@ -285,7 +286,7 @@ class _Worker:
             self.do(kernel, self.tasks[i], progress, buffers)
         return kernel.result()
 
-    def do(self, kernel: Kernel, task: _Task, progress: Callable[[int], None], buffers: _Buffers) -> None:
+    def do(self, kernel: Kernel, task: _Task, progress: Callable[[int], None], buffers: Buffers) -> None:
         if task.stream:
             self._stream(kernel, self.tensors[task.tensors[0]], progress)
         elif task.batch:
@@ -297,11 +298,11 @@ class _Worker:
             kernel.chunk(t, task.offset, decode(buf, t))
             progress(task.nbytes)
 
-    def _batch(self, kernel: Kernel, ts: list[Any], progress: Callable[[int], None], buffers: _Buffers) -> None:
+    def _batch(self, kernel: Kernel, ts: list[Any], progress: Callable[[int], None], buffers: Buffers) -> None:
         start = ts[0].location.offset
         n = ts[-1].location.offset + ts[-1].nbytes - start
         buf = buffers.get(n)
-        self.reader.pread(ts[0] if len(ts) == 1 else _Range(ts[0], n), 0, buf)
+        self.reader.pread(ts[0] if len(ts) == 1 else Range(ts[0], n), 0, buf)
         if len(ts) > 1:
             for t in ts:  # each tensor's own checks (a stored member's CRC-32), as its own read would make
                 if t.location.crc is not None:
@@ -324,7 +325,7 @@ class _Worker:
             progress(values.nbytes)
 
 
-class _Buffers:
+class Buffers:
     """A worker's reused read buffers, one per side, grown when a row passes the chunk size."""
 
     def __init__(self, size: int):
@@ -338,187 +339,7 @@ class _Buffers:
         return buf[:n]
 
 
-# --- Two checkpoints in lockstep ----------------------------------------------------------------------
-
-
-class PairKernel(Protocol):
-    """What a worker does with the chunks of pairs of tensors: `pair(i, start, a, b, same)`, then `result()`.
-
-    `a` and `b` are the values of pair i's tensors from element `start` on (equally many); `same` says
-    their dtypes and stored bytes are equal. Every span but a pair's last holds whole blocks of
-    `block` elements (so that block sums merge exactly).
-    """
-
-    def pair(self, i: int, start: int, a: np.ndarray, b: np.ndarray, same: bool) -> None: ...
-
-    def result(self) -> Any: ...
-
-
-class _PairTask(NamedTuple):
-    pair: int
-    start: int = 0  # first element
-    count: int = 0  # elements
-    stream: bool = False
-    whole: bool = False  # both tensors read whole, in C order: their element orders differ (Fortran and C)
-    batch: tuple[int, ...] = ()  # whole small pairs lying together on both sides, read at once
-
-
-def run_pairs(
-    readers: tuple[Reader, Reader],
-    pairs: Sequence[tuple[Any, Any]],
-    make_kernel: Callable[[], PairKernel],
-    jobs: int = 1,
-    block: int = 1,
-    progress: Callable[[int], None] | None = None,
-    kind: str | None = None,
-) -> list[Any]:
-    """Like `run`, over pairs of equally long tensors of two checkpoints read in lockstep.
-
-    Both sides of a task are read at once (two buffers a worker); a pair that one side can only stream
-    is one task, both sides streamed in chunks of the same element count. Tensors carried as bytes are
-    paired byte by byte. A tensor in Fortran order paired with one in C order (of more than one
-    dimension longer than 1) is read whole, both sides, into C order: their stored orders pair other
-    elements. Small pairs lying one after another on both sides are read together, as `run` reads small
-    tensors: given to the kernel's `batch(pairs, raw_a, starts_a, raw_b, starts_b)` where it has one.
-    """
-    total = sum(a.nbytes + b.nbytes for a, b in pairs)
-    jobs = max(1, min(_fitting(jobs, make_kernel), math.ceil(total / _BYTES_PER_WORKER)))
-    max_bytes = chunk_bytes(jobs)
-    tasks: list[_PairTask] = []
-    run: list[int] = []  # small pairs lying together on both sides
-    for i, (a, b) in enumerate(pairs):
-        if _small_pair(a, b):
-            if run and not _pair_follows((a, b), pairs[run[-1]], pairs[run[0]], max_bytes):
-                tasks.append(_PairTask(run[0], batch=tuple(run)))
-                run = []
-            run.append(i)
-            continue
-        if run:
-            tasks.append(_PairTask(run[0], batch=tuple(run)))
-            run = []
-        if a.fortran_order != b.fortran_order and sum(n > 1 for n in a.shape) > 1:
-            tasks.append(_PairTask(i, whole=True))
-            continue
-        if not (readers[0].random_access(a) and readers[1].random_access(b)):
-            tasks.append(_PairTask(i, stream=True))
-            continue
-        size = a.nbytes // _itemsize(a)
-        step = max(max_bytes // max(_itemsize(a), _itemsize(b)) // block, 1) * block
-        tasks += [_PairTask(i, start, min(step, size - start)) for start in range(0, size, step)] or [_PairTask(i)]
-    if run:
-        tasks.append(_PairTask(run[0], batch=tuple(run)))
-    work = _PairWorker(readers, pairs, tasks, make_kernel, max_bytes, block)
-    # each pair read in chunks, once, in the order its first chunk is taken
-    chunked = [pairs[i] for i in dict.fromkeys(t.pair for t in tasks if not (t.whole or t.stream or t.batch))]
-    with _read_ahead(list(readers), [[a for a, _ in chunked], [b for _, b in chunked]]):
-        return _dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
-
-
-class _PairWorker(_Worker):
-    def __init__(
-        self,
-        readers: tuple[Reader, Reader],
-        pairs: Sequence[tuple[Any, Any]],
-        tasks: list[_PairTask],
-        make_kernel: Callable[[], PairKernel],
-        max_bytes: int,
-        block: int,
-    ):
-        super().__init__(readers[0], [], tasks, make_kernel, max_bytes, {})
-        self.readers, self.pairs, self.block = list(readers), pairs, block
-
-    def do(self, kernel: Any, task: _PairTask, progress: Callable[[int], None], buffers: _Buffers) -> None:
-        a, b = self.pairs[task.pair]
-        if task.batch:
-            self._pair_batch(kernel, task.batch, progress, buffers)
-            return
-        if task.stream:
-            self._stream_pair(kernel, task.pair, a, b, progress)
-            return
-        if task.whole:
-            va, vb = (reader.read_flat(t) for reader, t in zip(self.readers, (a, b), strict=True))
-            kernel.pair(task.pair, 0, va, vb, equal_values(va, vb))
-            progress(a.nbytes + b.nbytes)
-            return
-        raw = []
-        for k, (reader, t) in enumerate(zip(self.readers, (a, b), strict=True)):
-            item = _itemsize(t)
-            buf = buffers.get(task.count * item, k)
-            reader.pread(t, task.start * item, buf)
-            raw.append(buf)
-        kernel.pair(task.pair, task.start, *pair_values(a, b, *raw))
-        progress(raw[0].nbytes + raw[1].nbytes)
-
-    def _pair_batch(
-        self, kernel: Any, ids: tuple[int, ...], progress: Callable[[int], None], buffers: _Buffers
-    ) -> None:
-        """Whole small pairs lying together: each side's bytes read at once, then the kernel's `batch` (or its
-        `pair`, pair by pair)."""
-        raws, starts = [], []
-        for k, reader in enumerate(self.readers):
-            ts = [self.pairs[i][k] for i in ids]
-            first = ts[0].location.offset
-            buf = buffers.get(ts[-1].location.offset + ts[-1].nbytes - first, k)
-            reader.pread(ts[0] if len(ts) == 1 else _Range(ts[0], buf.size), 0, buf)
-            at = [t.location.offset - first for t in ts]
-            for t, s in zip(ts, at, strict=True):  # each tensor's own checks (a stored member's CRC-32)
-                if len(ts) > 1 and t.location.crc is not None:
-                    reader.check(t, buf[s : s + t.nbytes])
-            raws.append(buf)
-            starts.append(at)
-        batch = getattr(kernel, "batch", None)
-        if batch is not None:
-            batch(ids, raws[0], starts[0], raws[1], starts[1])
-        else:
-            for i, sa, sb in zip(ids, *starts, strict=True):
-                a, b = self.pairs[i]
-                kernel.pair(i, 0, *pair_values(a, b, raws[0][sa : sa + a.nbytes], raws[1][sb : sb + b.nbytes]))
-        progress(raws[0].nbytes + raws[1].nbytes)
-
-    def _stream_pair(self, kernel: Any, i: int, a: Any, b: Any, progress: Callable[[int], None]) -> None:
-        """Both tensors streamed in chunks of the same element count (a multiple of the block)."""
-        items = (_itemsize(a), _itemsize(b))
-        n = max(self.max_bytes // max(items) // self.block, 1) * self.block
-        chunks_a = self.readers[0].chunks(a, n * items[0], unit=self.block)
-        chunks_b = self.readers[1].chunks(b, n * items[1], unit=self.block)
-        start = 0
-        for va, vb in zip(chunks_a, chunks_b, strict=True):
-            kernel.pair(i, start, va, vb, equal_values(va, vb))
-            start += va.size
-            progress(va.nbytes + vb.nbytes)
-
-
-def _small_pair(a: Any, b: Any) -> bool:
-    """Whether a pair is read whole among others: small tensors of values, contiguous, in one element order."""
-    return (
-        a.nbytes <= SMALL_TENSOR
-        and b.nbytes <= SMALL_TENSOR
-        and a.array_dtype is not None
-        and b.array_dtype is not None
-        and isinstance(a.location, Span)
-        and isinstance(b.location, Span)
-        and (a.fortran_order == b.fortran_order or sum(n > 1 for n in a.shape) <= 1)
-    )
-
-
-def _pair_follows(pair: tuple[Any, Any], last: tuple[Any, Any], first: tuple[Any, Any], max_bytes: int) -> bool:
-    """Whether both tensors of a pair lie just after those of `last` in their files (at most _GAP bytes on),
-    each side of the run from `first` taking at most `max_bytes`."""
-    return _follows(pair[0], last[0], first[0], max_bytes) and _follows(pair[1], last[1], first[1], max_bytes)
-
-
-def _follows(t: Any, last: Any, first: Any, max_bytes: int) -> bool:
-    offset = t.location.offset
-    gap = offset - last.location.offset - last.nbytes
-    return 0 <= gap <= _GAP and offset + t.nbytes - first.location.offset <= max_bytes and t.file == last.file
-
-
-def _itemsize(t: Any) -> int:
-    """Bytes per element as a pair is read: a type carried as bytes is paired byte by byte."""
-    return t.array_dtype.itemsize if t.array_dtype is not None else 1
-
-
-class _Range(NamedTuple):
+class Range(NamedTuple):
     """The bytes of several tensors lying together, read as if they were one tensor's."""
 
     first: Any
@@ -537,7 +358,7 @@ class _Range(NamedTuple):
         return Span(self.first.location.offset)
 
 
-def _dispatch(work: Any, jobs: int, total: int, kind: str | None, progress: Callable[[int], None] | None) -> list:
+def dispatch(work: Any, jobs: int, total: int, kind: str | None, progress: Callable[[int], None] | None) -> list:
     """Runs `work` in the caller, in `jobs` threads or in `jobs` forked processes (by default: processes for
     large inputs where fork exists, threads otherwise or for a store that cannot be forked (a remote one: its
     event loop), the caller for one job); returns each worker's result."""

@@ -222,9 +222,10 @@ def test_depth_sort_and_top():
 
 def _diffs(ckpt_a, ckpt_b, kind, jobs):
     pairs = [(t, next(u for u in ckpt_b.tensors if u.name == t.name)) for t in ckpt_a.tensors]
+    from clipcli.checkpoint.pairs import run_pairs
     from clipcli.commands.diff import DiffKernel
 
-    results = _engine.run_pairs(
+    results = run_pairs(
         (ckpt_a, ckpt_b), pairs, lambda: DiffKernel(2.0, pairs, [True] * len(pairs)), jobs, BLOCK, kind=kind
     )
     accs = {}

@@ -266,7 +266,9 @@ static void release_buffers(int n, Py_buffer *views) {
  * counts, extremes and bfloat16's counts of its own, added in at the end, and takes its zeros as the bins'
  * values of E = 0, less the subnormals and the generic loop's zeros. Its exact sums differ in form only:
  * the values of a block's window (the exponent fields from its largest's, 464's at most, less WINDOW; and
- * zeros) are summed, x and x*x, in float64 lanes, exactly (see open_window), and added to the totals per E
+ * zeros; where the loop took the block before whole, from that block's largest's a binade up instead, with
+ * no pass over the block to find its own: the loop stops at a value above the window, and the rest of the
+ * block takes the window of its own largest) are summed, x and x*x, in float64 lanes, exactly (see open_window), and added to the totals per E
  * at the window's least field (x's sum as three signed 24-bit digits, 24 fields apart); only the values
  * below the window go to the bins. Every value is counted by its place in the window (E - least + 1; 0
  * below it, zeros included), two at a time: a tally of pairs of places, one 32-bit addition a pair from
@@ -387,6 +389,7 @@ typedef struct {
     double magic;       /* 1.5 * 2**(52 + WINDOW_SPLIT) units of x*x */
     int32_t below;      /* (the window's least exponent field << 23) - 2: magnitudes m with m - 1 above it lie in it */
     int32_t least;      /* that exponent field */
+    int32_t limit;      /* the largest magnitude bits the window holds (464's at most): the checked loop stops above */
     int64_t below_count; /* the block's values below the window */
     int64_t spread;      /* those, counted whether or not the window was used */
 } stats_lanes;
@@ -407,13 +410,13 @@ static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int3
 
 /* The AVX-512 loop's constants, read from memory (a broadcast is a load there): GCC would rather make each
  * one again from an immediate, on the port the vectors need most. */
-enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_ORDINARY, K_FRACTION, K_ONE, K_LEN };
+enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_FRACTION, K_ONE, K_LEN };
 static const int32_t STATS_K[K_LEN] = {
     [K_FLUSH] = 0x33000001, 0x8001, 0x3A800001, 0x37000001, /* FLUSH + 1 */
     [K_NORMAL] = 0x387FE000, 0x7F8000, 0x3C700000, 0x38600000,
     [K_TINY] = 0x38800000, 0x800000, 0x3C800000, 0x38800000,
     [K_DROP] = 13 << 23, 16 << 23, 20 << 23, 21 << 23,
-    [K_ABS] = 0x7FFFFFFF, 0x7F800000, (int32_t)OVER_LEAST - 1, 0x7FFFFF, 1,
+    [K_ABS] = 0x7FFFFFFF, 0x7F800000, 0x7FFFFF, 1,
 };
 #define K(i) _mm512_set1_epi32(k[i])
 
@@ -468,8 +471,8 @@ static void below_window(stats_bins *bins, const float *x, uint32_t below) {
     }
 }
 
-/* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf or above 464,
- * in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. The exact sums of
+/* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf, above 464 or
+ * above the window (checked: s->limit), in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. The exact sums of
  * x and x*x of the values in the block's window (see open_window) go to float64 lanes, the others' to the
  * bins; every value is tallied. */
 __attribute__((target("arch=x86-64-v4"), always_inline)) static inline Py_ssize_t
@@ -482,12 +485,12 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
     __m512i peak = (__m512i)s->peak, one = K(K_ONE), below = _mm512_set1_epi32(s->below);
     __m512 lo = (__m512)s->lo, hi = (__m512)s->hi;
     __m512d sum = (__m512d)s->sum, high = (__m512d)s->high, low = (__m512d)s->low, magic = _mm512_set1_pd(s->magic);
-    __m512i field = _mm512_set1_epi32(s->least - 1);
+    __m512i field = _mm512_set1_epi32(s->least - 1), limit = _mm512_set1_epi32(s->limit);
     uint32_t places[32] __attribute__((aligned(64))); /* two groups' places, in turn */
     int pending = 0;                                  /* the group before's places are not yet tallied */
     for (; end - i >= 16; i += 16) {
         __m512i u = _mm512_loadu_si512(x + i), mag = _mm512_and_si512(u, K(K_ABS));
-        if (checked && _mm512_cmpgt_epi32_mask(mag, K(K_ORDINARY))) {
+        if (checked && _mm512_cmpgt_epi32_mask(mag, limit)) {
             STORE_LANES();
             return i;
         }
@@ -555,8 +558,8 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
     return i;
 }
 
-/* stats_run for values that may hold NaN, inf or values above 464 (it stops before the first group that
- * does), for a run of ordinary values alone (a block whose largest magnitude is ordinary: no test), and for
+/* stats_run for values that may hold NaN, inf, values above 464 or above the window (it stops before the
+ * first group that does), for a run of ordinary values alone (a block whose largest magnitude is ordinary: no test), and for
  * a block spread far below its largest (the block before had more than SPREAD values below its window: the
  * bins take every value, as in the generic loop, and the window's sums stay empty). */
 __attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
@@ -611,6 +614,8 @@ static int open_window(stats_lanes *s, int32_t top) {
     least = least > 1 ? least : 1;
     s->least = least;
     s->below = (least << 23) - 2; /* from least << 23 itself on (its place is 1, not 0) */
+    s->limit = ((least + WINDOW + 1) << 23) - 1 < (int32_t)OVER_LEAST - 1 ? ((least + WINDOW + 1) << 23) - 1
+                                                                     : (int32_t)OVER_LEAST - 1;
     s->magic = 1.5 * power_of_two(52 + WINDOW_SPLIT + 2 * (least - 150));
     s->sum = s->high = s->low = (v8d){0};
     s->below_count = s->spread = 0;
@@ -675,6 +680,8 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
 #if STATS_AVX512
     Py_ssize_t resume = 0;
     int ordinary = 0, spread = 0; /* the block holds ordinary values alone; the block before was spread */
+    int predicted = 0;            /* the block's window is the block before's (see below) */
+    int32_t next_top = -1;        /* the largest magnitude bits of the block before, where the AVX-512 loop took all */
 #endif
     stats_lanes lanes = {0};
     lanes.lo += inf;
@@ -684,8 +691,13 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
         v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
 #if STATS_AVX512
-        if (avx512)
-            ordinary = open_window(&lanes, block_top(x, first, end));
+        if (avx512) { /* the window of the block before's largest value, a binade up (no pass of block_top first: the
+                       * loop stops at a value above it, and the rest of the block takes the window of its own) */
+            predicted = next_top >= 0 && !spread;
+            ordinary = open_window(&lanes, predicted ? next_top + (1 << 23) : block_top(x, first, end)) && !predicted;
+            lanes.peak = (v16i){0} - 1;
+            next_top = -1;
+        }
 #endif
         for (Py_ssize_t i = first; i < end; i += 8) {
 #if STATS_AVX512
@@ -696,8 +708,19 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
                                                                                               STATS_K);
                 base = lanes.base;
                 memcpy(err, lanes.err, sizeof err);
-                if (i >= end)
+                if (i >= end) {
+                    if (i == end && resume <= first) /* the loop took the whole block: its largest, for the next */
+                        for (int j = 0; j < 16; j++)
+                            next_top = lanes.peak[j] > next_top ? lanes.peak[j] : next_top;
                     break;
+                }
+                if (predicted) { /* stopped by a value above the window: the rest of the block takes its own */
+                    close_window(&lanes, bins);
+                    predicted = 0;
+                    ordinary = open_window(&lanes, block_top(x, i, end));
+                    i -= 8; /* the loop again, from i */
+                    continue;
+                }
                 resume = i + 64; /* stopped by a NaN, an inf or a value above 464: these go the generic way */
             }
 #endif

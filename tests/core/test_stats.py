@@ -512,6 +512,30 @@ def test_the_avx512_loop_gives_the_bits_of_the_generic_loop_for_values_spread_fa
 
 
 @needs_loops
+def test_a_block_that_outgrows_the_window_of_the_block_before_gives_the_bits_of_the_generic_loop(monkeypatch):
+    # a block of ordinary values after one the AVX-512 loop took whole opens the window of the block before's
+    # largest, a binade up, and stops at a value above it: the rest of the block takes a window of its own.
+    # Rises at the first group, mid-group and at the last value, by a binade and by many; falls; zeros
+    rng = np.random.default_rng(7)
+    scales = [1e-3, 1e-3, 1e-6, 1.0, 2.0**-120, 1e-2, 0.0, 1e-2]
+    t = np.concatenate([rng.standard_normal(BLOCK) * s for s in scales]).astype(np.float32)
+    top = float(np.abs(t[:BLOCK]).max())
+    t[BLOCK + 16] = 4 * top  # two binades above the block before's: above its window, in the second group
+    t[BLOCK + BLOCK // 2 + 5 :][: BLOCK // 2 - 5] *= 1e6  # and far above, from mid-group to the block's end
+    t[4 * BLOCK - 1] = 400.0  # the last value of a block, the largest ordinary binade
+    t[5 * BLOCK + 3] = 2 * float(np.abs(t[4 * BLOCK : 5 * BLOCK]).max())  # one binade: within the window
+    t[7 * BLOCK + 40] = 1.0  # after a block of zeros
+    for x in (t, -t):
+        runs = fused_runs(x)
+        assert_same_runs(runs)
+        total, squares = fused_totals(runs[0][0])
+        exact = [Fraction(float(v)) for v in x]
+        assert Fraction(total, 2**149) == sum(exact)
+        assert Fraction(squares, 2**298) == sum(v * v for v in exact)
+        assert repr(tensor_stats(x)) == repr(without_loops(monkeypatch, tensor_stats, x))
+
+
+@needs_loops
 @pytest.mark.parametrize("top", [0x43E7FFFF, 0x3F7FFFFF, 0x0C7FFFFF, 0x057FFFFF])
 def test_the_avx512_window_sums_stay_exact_at_their_bounds(monkeypatch, top):
     # the AVX-512 loop sums a block's values whose exponent field lies within 18 of the largest's (464's at

@@ -346,6 +346,8 @@ static void empty_bins(stats_bins *b) {
     for (int c = 0; c < COPIES; c++)
         for (int key = 0; key < 512; key++) {
             int e = key & 0xFF;
+            if (!b->pairs[c][key][0]) /* no value (the AVX-512 loop leaves most bins empty) */
+                continue;
             int64_t v = (int64_t)b->pairs[c][key][0], n = v >> 41, f = v & (((int64_t)1 << 41) - 1), m = f;
             unsigned __int128 q = b->pairs[c][key][1];
             if (e > 0) { /* (f + 2**23)**2 = f**2 + 2**24 f + 2**46 */

@@ -266,17 +266,18 @@ static void release_buffers(int n, Py_buffer *views) {
  * counts, extremes and bfloat16's counts of its own, added in at the end, and takes its zeros as the bins'
  * values of E = 0, less the subnormals and the generic loop's zeros. Its exact sums differ in form only:
  * the values of a block's window (the exponent fields from its largest's, 464's at most, less WINDOW; and
- * zeros; where the loop took the block before whole, from that block's largest's a binade up instead, with
- * no pass over the block to find its own: the loop stops at a value above the window, and the rest of the
- * block takes the window of its own largest) are summed, x and x*x, in float64 lanes, exactly (see open_window), and added to the totals per E
- * at the window's least field (x's sum as three signed 24-bit digits, 24 fields apart); only the values
- * below the window go to the bins. Every value is counted by its place in the window (E - least + 1; 0
- * below it, zeros included), two at a time: a tally of pairs of places, one 32-bit addition a pair from
- * scalar registers, read a group late (its places stored from a vector, not forwarded) and emptied into the
- * counts per E at the block's end (see close_window). So the two loops give the same counts, error sums and
- * exact totals of x and x*x, but not the same shares of those totals per E (the totals are what the sums
- * per E are for). A block after one with more than SPREAD values below its window (values spread over many
- * binades, which the window's rare path would take one at a time) takes the bins for every value instead.
+ * zeros; where the loop took the block before whole, from that block's largest's a binade up instead, with no
+ * pass over the block to find its own: the loop stops at a value above the window, and the rest of the block
+ * takes the window of its own largest) are summed, x and x*x, in float64 lanes, exactly (see open_window),
+ * and added to the totals per E at the window's least field (x's sum as three signed 24-bit digits, 24 fields
+ * apart); only the values below the window go to the bins. Every value is counted by its place in the window
+ * (E - least + 1; 0 below it, zeros included), two at a time: a tally of pairs of places, one 32-bit addition
+ * a pair from scalar registers, read a group late (its places stored from a vector, not forwarded) and
+ * emptied into the counts per E at the block's end (see close_window). So the two loops give the same counts,
+ * error sums and exact totals of x and x*x, but not the same shares of those totals per E (the totals are
+ * what the sums per E are for). A block after one with more than SPREAD values below its window (values
+ * spread over many binades, which the window's rare path would take one at a time) takes the bins for every
+ * value instead.
  */
 #define STATS_BLOCK 8192
 #define TARGETS 4
@@ -391,7 +392,7 @@ typedef struct {
     double magic;       /* 1.5 * 2**(52 + WINDOW_SPLIT) units of x*x */
     int32_t below;      /* (the window's least exponent field << 23) - 2: magnitudes m with m - 1 above it lie in it */
     int32_t least;      /* that exponent field */
-    int32_t limit;      /* the largest magnitude bits the window holds (464's at most): the checked loop stops above */
+    int32_t limit;      /* the largest magnitude bits in the window (464's at most): the checked loop stops above */
     int64_t below_count; /* the block's values below the window */
     int64_t spread;      /* those, counted whether or not the window was used */
 } stats_lanes;
@@ -474,9 +475,9 @@ static void below_window(stats_bins *bins, const float *x, uint32_t below) {
 }
 
 /* The generic loop's work for whole groups of sixteen values from i while none is NaN, inf, above 464 or
- * above the window (checked: s->limit), in AVX-512 (the same sums in the same order: the same bits); returns where it stopped. The exact sums of
- * x and x*x of the values in the block's window (see open_window) go to float64 lanes, the others' to the
- * bins; every value is tallied. */
+ * above the window (checked: s->limit), in AVX-512 (the same sums in the same order: the same bits); returns
+ * where it stopped. The exact sums of x and x*x of the values in the block's window (see open_window) go to
+ * float64 lanes, the others' to the bins; every value is tallied. */
 __attribute__((target("arch=x86-64-v4"), always_inline)) static inline Py_ssize_t
 stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k,
           int checked, int windowed) {
@@ -561,9 +562,10 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
 }
 
 /* stats_run for values that may hold NaN, inf, values above 464 or above the window (it stops before the
- * first group that does), for a run of ordinary values alone (a block whose largest magnitude is ordinary: no test), and for
- * a block spread far below its largest (the block before had more than SPREAD values below its window: the
- * bins take every value, as in the generic loop, and the window's sums stay empty). */
+ * first group that does), for a run of ordinary values alone (a block whose own largest magnitude is
+ * ordinary: no test), and for a block spread far below its largest (the block before had more than SPREAD
+ * values below its window: the bins take every value, as in the generic loop, and the window's sums stay
+ * empty). */
 __attribute__((target("arch=x86-64-v4"), noipa)) static Py_ssize_t
 stats_run_avx512(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bins *bins, const int32_t *k) {
     return stats_run(x, i, end, s, bins, k, 1, 1);
@@ -693,8 +695,8 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
         v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
 #if STATS_AVX512
-        if (avx512) { /* the window of the block before's largest value, a binade up (no pass of block_top first: the
-                       * loop stops at a value above it, and the rest of the block takes the window of its own) */
+        if (avx512) { /* the window of the block before's largest value, a binade up (no pass of block_top
+                       * first: the loop stops at a value above it, and the rest of the block opens its own) */
             predicted = next_top >= 0 && !spread;
             ordinary = open_window(&lanes, predicted ? next_top + (1 << 23) : block_top(x, first, end)) && !predicted;
             lanes.peak = (v16i){0} - 1;

@@ -684,8 +684,9 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
 #if STATS_AVX512
     Py_ssize_t resume = 0;
     int ordinary = 0, spread = 0; /* the block holds ordinary values alone; the block before was spread */
-    int predicted = 0;            /* the block's window is the block before's (see below) */
-    int32_t next_top = -1;        /* the largest magnitude bits of the block before, where the AVX-512 loop took all */
+    int predicted = 0, whole = 0; /* the block's window is the block before's; the AVX-512 loop took the block whole */
+    int32_t last = -1;            /* the largest magnitude bits of the block before, where the loop took it whole */
+    int steady = 0;               /* those lay within a binade of the block before's before (see below) */
 #endif
     stats_lanes lanes = {0};
     lanes.lo += inf;
@@ -695,12 +696,13 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
         v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
 #if STATS_AVX512
-        if (avx512) { /* the window of the block before's largest value, a binade up (no pass of block_top
-                       * first: the loop stops at a value above it, and the rest of the block opens its own) */
-            predicted = next_top >= 0 && !spread;
-            ordinary = open_window(&lanes, predicted ? next_top + (1 << 23) : block_top(x, first, end)) && !predicted;
+        if (avx512) { /* after two blocks whose largest values lie within a binade of each other, the window of
+                       * the block before's largest value a binade up (no pass of block_top first: the loop stops
+                       * at a value above it, and the rest of the block opens its own) */
+            predicted = steady && !spread;
+            ordinary = open_window(&lanes, predicted ? last + (1 << 23) : block_top(x, first, end)) && !predicted;
             lanes.peak = (v16i){0} - 1;
-            next_top = -1;
+            whole = 0;
         }
 #endif
         for (Py_ssize_t i = first; i < end; i += 8) {
@@ -713,9 +715,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
                 base = lanes.base;
                 memcpy(err, lanes.err, sizeof err);
                 if (i >= end) {
-                    if (i == end && resume <= first) /* the loop took the whole block: its largest, for the next */
-                        for (int j = 0; j < 16; j++)
-                            next_top = lanes.peak[j] > next_top ? lanes.peak[j] : next_top;
+                    whole = i == end && resume <= first;
                     break;
                 }
                 if (predicted) { /* stopped by a value above the window: the rest of the block takes its own */
@@ -794,6 +794,11 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
         if (avx512) {
             close_window(&lanes, bins);
             spread = lanes.spread > SPREAD;
+            int32_t top = -1; /* the block's largest magnitude bits, where the loop took it whole */
+            for (int j = 0; whole && j < 16; j++)
+                top = lanes.peak[j] > top ? lanes.peak[j] : top;
+            steady = whole && last >= 0 && abs((top >> 23) - (last >> 23)) <= 1;
+            last = whole ? top : -1;
         }
 #endif
         double *row = errors + (first / STATS_BLOCK) * ERROR_SUMS;

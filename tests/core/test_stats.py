@@ -513,18 +513,19 @@ def test_the_avx512_loop_gives_the_bits_of_the_generic_loop_for_values_spread_fa
 
 @needs_loops
 def test_a_block_that_outgrows_the_window_of_the_block_before_gives_the_bits_of_the_generic_loop(monkeypatch):
-    # a block of ordinary values after one the AVX-512 loop took whole opens the window of the block before's
-    # largest, a binade up, and stops at a value above it: the rest of the block takes a window of its own.
-    # Rises at the first group, mid-group and at the last value, by a binade and by many; falls; zeros
+    # after blocks of ordinary values whose largest lie within a binade of each other, the AVX-512 loop opens the
+    # window of the block before's largest, a binade up, and stops at a value above it: the rest of the block
+    # takes a window of its own. Rises at the second group, mid-group and at the last value, by one binade and
+    # by many; blocks far below the window; zeros; each after a run of steady blocks
     rng = np.random.default_rng(7)
-    scales = [1e-3, 1e-3, 1e-6, 1.0, 2.0**-120, 1e-2, 0.0, 1e-2]
+    scales = [1e-3] * 3 + [1e-3] * 4 + [1e-3] * 4 + [1e-6] * 4 + [0.0] * 2 + [1e-2] * 4 + [2.0**-120] * 2
     t = np.concatenate([rng.standard_normal(BLOCK) * s for s in scales]).astype(np.float32)
-    top = float(np.abs(t[:BLOCK]).max())
-    t[BLOCK + 16] = 4 * top  # two binades above the block before's: above its window, in the second group
-    t[BLOCK + BLOCK // 2 + 5 :][: BLOCK // 2 - 5] *= 1e6  # and far above, from mid-group to the block's end
-    t[4 * BLOCK - 1] = 400.0  # the last value of a block, the largest ordinary binade
-    t[5 * BLOCK + 3] = 2 * float(np.abs(t[4 * BLOCK : 5 * BLOCK]).max())  # one binade: within the window
-    t[7 * BLOCK + 40] = 1.0  # after a block of zeros
+    top = float(np.abs(t[2 * BLOCK : 3 * BLOCK]).max())
+    t[3 * BLOCK + 16] = 4 * top  # two binades above the block before's: above its window, in the second group
+    t[3 * BLOCK + BLOCK // 2 + 5 :][: BLOCK // 2 - 5] *= 1e6  # and far above, from mid-group to the block's end
+    t[8 * BLOCK - 1] = 400.0  # the last value of a block, in the largest ordinary binade
+    t[9 * BLOCK + 3] = 2 * float(np.abs(t[8 * BLOCK - BLOCK : 8 * BLOCK - 1]).max())  # a binade up: in the window
+    t[19 * BLOCK + 40] = 1.0  # after zeros
     for x in (t, -t):
         runs = fused_runs(x)
         assert_same_runs(runs)

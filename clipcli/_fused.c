@@ -266,18 +266,18 @@ static void release_buffers(int n, Py_buffer *views) {
  * counts, extremes and bfloat16's counts of its own, added in at the end, and takes its zeros as the bins'
  * values of E = 0, less the subnormals and the generic loop's zeros. Its exact sums differ in form only:
  * the values of a block's window (the exponent fields from its largest's, 464's at most, less WINDOW; and
- * zeros; where the loop took the block before whole, from that block's largest's a binade up instead, with no
- * pass over the block to find its own: the loop stops at a value above the window, and the rest of the block
- * takes the window of its own largest) are summed, x and x*x, in float64 lanes, exactly (see open_window),
- * and added to the totals per E at the window's least field (x's sum as three signed 24-bit digits, 24 fields
- * apart); only the values below the window go to the bins. Every value is counted by its place in the window
- * (E - least + 1; 0 below it, zeros included), two at a time: a tally of pairs of places, one 32-bit addition
- * a pair from scalar registers, read a group late (its places stored from a vector, not forwarded) and
- * emptied into the counts per E at the block's end (see close_window). So the two loops give the same counts,
- * error sums and exact totals of x and x*x, but not the same shares of those totals per E (the totals are
- * what the sums per E are for). A block after one with more than SPREAD values below its window (values
- * spread over many binades, which the window's rare path would take one at a time) takes the bins for every
- * value instead.
+ * zeros; where the loop took the block before whole and its largest lay within a binade of the one before's,
+ * from that block's largest's a binade up instead, with no pass over the block to find its own: the loop
+ * stops at a value above the window, and the rest of the block takes the window of its own largest) are
+ * summed, x and x*x, in float64 lanes, exactly (see open_window), and added to the totals per E at the
+ * window's least field (x's sum as three signed 24-bit digits, 24 fields apart); only the values below the
+ * window go to the bins. Every value is counted by its place in the window (E - least + 1; 0 below it, zeros
+ * included), two at a time: a tally of pairs of places, one 32-bit addition a pair from scalar registers,
+ * read a group late (its places stored from a vector, not forwarded) and emptied into the counts per E at the
+ * block's end (see close_window). So the two loops give the same counts, error sums and exact totals of x and
+ * x*x, but not the same shares of those totals per E (the totals are what the sums per E are for). A block
+ * after one with more than SPREAD values below its window (values spread over many binades, which the
+ * window's rare path would take one at a time) takes the bins for every value instead.
  */
 #define STATS_BLOCK 8192
 #define TARGETS 4

@@ -413,19 +413,23 @@ static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int3
 
 /* The AVX-512 loop's constants, read from memory (a broadcast is a load there): GCC would rather make each
  * one again from an immediate, on the port the vectors need most. */
-enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_FRACTION, K_ONE, K_LEN };
+enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_FRACTION, K_ONE, K_DROP3, K_LEN };
 static const int32_t STATS_K[K_LEN] = {
     [K_FLUSH] = 0x33000001, 0x8001, 0x3A800001, 0x37000001, /* FLUSH + 1 */
     [K_NORMAL] = 0x387FE000, 0x7F8000, 0x3C700000, 0x38600000,
     [K_TINY] = 0x38800000, 0x800000, 0x3C800000, 0x38800000,
     [K_DROP] = 13 << 23, 16 << 23, 20 << 23, 21 << 23,
-    [K_ABS] = 0x7FFFFFFF, 0x7F800000, 0x7FFFFF, 1,
+    [K_ABS] = 0x7FFFFFFF, 0x7F800000, 0x7FFFFF, 1, (21 - 13) << 23, /* float8_e5m2's DROP less float16's */
 };
 #define K(i) _mm512_set1_epi32(k[i])
 
-#define AVX512_ERROR(T)                                                                                        \
+/* C's bits of target T, from the magnitudes' exponent bits (see the section's header) */
+#define AVX512_C(T) _mm512_add_epi32(_mm512_max_epi32(expo, K(K_TINY + T)), K(K_DROP + T))
+
+/* Adds the squares of the sixteen residues of target T, rounded at C (its bits), to its error sums. */
+#define AVX512_ERROR(T, C)                                                                                     \
     do {                                                                                                       \
-        __m512 c_ = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_max_epi32(expo, K(K_TINY + T)), K(K_DROP + T))); \
+        __m512 c_ = _mm512_castsi512_ps(C);                                                                    \
         __m512 d_ = _mm512_sub_ps(fm, _mm512_sub_ps(_mm512_add_ps(fm, c_), c_));                               \
         __m512d a_ = _mm512_cvtps_pd(_mm512_castps512_ps256(d_)), b_ = _mm512_cvtps_pd(_mm512_extractf32x8_ps(d_, 1)); \
         err##T = _mm512_fmadd_pd(a_, a_, err##T); /* a_ * a_ is exact: one rounding, as without the fma */    \
@@ -509,10 +513,11 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
         __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
         base = _mm512_fmadd_pd(a, a, base);
         base = _mm512_fmadd_pd(b, b, base);
-        AVX512_ERROR(0);
-        AVX512_ERROR(1);
-        AVX512_ERROR(2);
-        AVX512_ERROR(3);
+        __m512i c0 = AVX512_C(0);
+        AVX512_ERROR(0, c0);
+        AVX512_ERROR(1, AVX512_C(1));
+        AVX512_ERROR(2, AVX512_C(2));
+        AVX512_ERROR(3, _mm512_add_epi32(c0, K(K_DROP3))); /* float16's C 8 binades up (their TINY is one) */
         /* the window: zeros (mag - 1 wraps) and the exponent fields from the least on */
         __mmask16 in = _mm512_cmpgt_epu32_mask(mag1, below);
         if (!windowed) { /* a block of values spread far below their largest: the bins take them all */
@@ -549,7 +554,7 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
         /* each value's place in the window, E - least + 1 (0: below it, or zero), and pairs of them tallied
          * from scalar registers (they have ports to spare, the vectors have not), a group late: the places
          * stored, even | odd << 5, are read back from memory once the store is done */
-        __m512i place = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(mag, 23), field), _mm512_setzero_si512());
+        __m512i place = _mm512_subs_epu16(_mm512_srli_epi32(mag, 23), field); /* 16-bit halves: max(E - least + 1, 0) */
         if (pending)
             for (int j = 0; j < 16; j += 2)
                 bins->tally[j >> 1 & 1][places[(~i >> 4 & 1) * 16 + j]]++; /* the group before's */

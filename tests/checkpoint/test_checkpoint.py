@@ -962,6 +962,50 @@ def test_small_tensors_fall_into_the_same_tasks_found_per_run_as_per_tensor(layo
         assert _engine._tasks(_AnyReader(), tensors, max_bytes, {}, 1) == runs
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 16, 48, 64, 300]),
+            st.sampled_from([0, 0, 1, 4096, 4097]),
+            st.sampled_from([0, 0, 1, 4096, 4097]),
+        ),
+        max_size=40,
+    ),
+    max_bytes=st.sampled_from([1, 16, 64, 128, 1 << 20]),
+    other=st.sampled_from(["", "file", "dtype", "big", "back", "fortran"]),
+    side=st.sampled_from([0, 1]),
+)
+def test_small_pairs_fall_into_the_same_tasks_found_per_run_as_per_pair(layout, max_bytes, other, side):
+    # as for one checkpoint's small tensors: the runs of small pairs (a diff of two 12,000-tensor LoRA adapters)
+    # are found per run where every pair is small and in order, the same tasks as the loop over every pair
+    from clipcli.checkpoint import TensorInfo
+    from clipcli.checkpoint import pairs as _pairs
+    from clipcli.checkpoint.engine import SMALL_TENSOR
+    from clipcli.checkpoint.tensor import Span
+
+    sides: list[list[TensorInfo]] = [[], []]
+    ends = [0, 0]
+    for i, (nbytes, *gaps) in enumerate(layout):
+        for k in (0, 1):
+            size, gap, file, dtype, fortran = nbytes, gaps[k], "a", np.dtype(np.uint8), False
+            if i == len(layout) // 2 and other and k == side:  # one unlike the rest, on one side
+                size = SMALL_TENSOR + 1 if other == "big" else size
+                gap = -min(ends[k], 5) if other == "back" else gap
+                file = "b" if other == "file" else file
+                dtype = None if other == "dtype" else dtype
+                fortran = other == "fortran"
+            location = Span(ends[k] + gap)
+            sides[k].append(TensorInfo(f"t{i}", "uint8", (size, 2), 2 * size, file, dtype, fortran, location))
+            ends[k] += gap + 2 * size
+    pairs = list(zip(*sides, strict=True))
+    readers = (_AnyReader(), _AnyReader())
+    tasks = _pairs._pair_tasks(readers, pairs, max_bytes, 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_pairs, "_small_pair_runs", lambda *args: None)
+        assert _pairs._pair_tasks(readers, pairs, max_bytes, 1) == tasks
+
+
 class _AnyReader:
     def random_access(self, t):
         return True

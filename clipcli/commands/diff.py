@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import NormOptions
 from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress, gathered
 from clipcli.commands.select import Selection, floating, order
-from clipcli.core.blocks import BLOCK
+from clipcli.core.blocks import BLOCK, is_floating
 from clipcli.core.differences import DiffAccumulator, DiffFigures
 from clipcli.core.small import SmallDiffs, small_diffs
 from clipcli.errors import CheckFailedError, UsageError
@@ -213,15 +214,15 @@ def diff(
         UsageError: when --include/--exclude select nothing in either checkpoint.
     """
     selection, p, depth, sort, top = options.selection, options.ord, options.depth, options.sort, options.top
-    listed_a = {t.name: t for t in a.tensors if selection.selects(t.name)}
-    listed_b = {t.name: t for t in b.tensors if selection.selects(t.name)}
+    listed_a, listed_b = _listed(a.tensors, selection), _listed(b.tensors, selection)
     if (selection.include or selection.exclude) and not (listed_a and listed_b):
         selection.check(b if listed_a else a)  # never silently empty: per checkpoint
     in_b = _names_in_b(listed_a, options.maps)
     named_in_b = set(in_b.values())
     names = [n for n in listed_a if in_b[n] in listed_b]
-    mismatched, pairs, numeric = [], [], []
-    for name in names:
+    mismatched: list[Mismatch] = []
+    pairs, numeric = _comparable(listed_a, listed_b, in_b, names)
+    for name in names if not pairs and names else ():
         ta, tb = listed_a[name], listed_b[in_b[name]]
         if ta.shape != tb.shape:
             mismatched.append(Mismatch(name, ta.shape, tb.shape, "shapes differ"))
@@ -236,7 +237,7 @@ def diff(
         else:
             pairs.append((ta, tb))
             numeric.append(floating(ta) and floating(tb))
-    progress.phase("comparing", sum(x.nbytes + y.nbytes for x, y in pairs))
+    progress.phase("comparing", sum(map(_NBYTES, itertools.chain.from_iterable(pairs))))
     results = passes.run_pass((a, b), pairs, lambda: DiffKernel(p, pairs, numeric), options.jobs, progress=progress)
     per_pair = PerTensor([batch for _, small, _, _ in results for batch in small])
     differs: set[int] = set()
@@ -265,8 +266,9 @@ def diff(
         for ids, s in per_pair.batches:
             shares.update(zip(ids, s.shares_of(total), strict=True))
         shares.update((i, acc.share_of(total)) for i, acc in per_pair.items())
-    rows, others = [], []
-    for i, (ta, tb) in enumerate(pairs):
+    rows = _plain_rows(pairs, numeric, differs, figures, g, p) if plain else []
+    others: list[DiffRow] = []
+    for i, (ta, tb) in enumerate(pairs if not rows else ()):
         identical = ta.dtype == tb.dtype and i not in differs
         if not numeric[i]:
             either = floating(ta) or floating(tb)
@@ -298,12 +300,77 @@ def diff(
     )
 
 
+def _listed(tensors: Sequence[TensorInfo], selection: Selection) -> dict[str, TensorInfo]:
+    """The tensors the selection takes, by name."""
+    if not (selection.include or selection.exclude):
+        return dict(zip(map(_NAME, tensors), tensors, strict=True))
+    return {t.name: t for t in tensors if selection.selects(t.name)}
+
+
+def _comparable(
+    listed_a: dict[str, TensorInfo], listed_b: dict[str, TensorInfo], in_b: dict[str, str], names: list[str]
+) -> tuple[list[tuple[TensorInfo, TensorInfo]], list[bool]]:
+    """The pairs of `names` and whether each is numeric (both floating), where every pair can be compared by value
+    or bytes (the common case, tested at once: the same shapes, values on both sides); else none (`diff` then
+    sorts them one by one)."""
+    side_a = list(map(listed_a.__getitem__, names))
+    side_b = list(map(listed_b.__getitem__, map(in_b.__getitem__, names)))
+    dtypes = set(map(_ARRAY_DTYPE, side_a)) | set(map(_ARRAY_DTYPE, side_b))
+    if (
+        None in dtypes
+        or set(map(_SKIP, side_a)) | set(map(_SKIP, side_b)) != {None}
+        or type(None) in set(map(type, map(_LOCATION, side_a))) | set(map(type, map(_LOCATION, side_b)))
+        or list(map(_SHAPE, side_a)) != list(map(_SHAPE, side_b))
+    ):
+        return [], []
+    floats = {d: is_floating(d) for d in dtypes}
+    numeric = list(
+        map(
+            operator.and_,
+            map(floats.__getitem__, map(_ARRAY_DTYPE, side_a)),
+            map(floats.__getitem__, map(_ARRAY_DTYPE, side_b)),
+        )
+    )
+    return list(zip(side_a, side_b, strict=True)), numeric
+
+
+def _plain_rows(
+    pairs: list[tuple[TensorInfo, TensorInfo]],
+    numeric: list[bool],
+    differs: set[int],
+    figures: list[DiffFigures | None],
+    g: float,
+    p: float,
+) -> list[DiffRow]:
+    """`diff`'s rows where every pair is numeric and measured, and the shares are `(diff_norm / g) ** p` (the
+    common case, tested at once; else none, and `diff` makes them one by one)."""
+    if not pairs or not all(numeric) or None in figures:
+        return []
+    side_a, side_b = zip(*pairs, strict=True)
+    dtypes_a = list(map(_DTYPE, side_a))
+    same = map(operator.eq, dtypes_a, map(_DTYPE, side_b))
+    identical = map(operator.and_, same, map(operator.not_, map(differs.__contains__, range(len(pairs)))))
+    fields = map(_NAME, side_a), map(_SHAPE, side_a), dtypes_a, map(_DTYPE, side_b), map(_NBYTES, side_a), identical
+    heads = zip(*fields, strict=True)
+    shares = map(pow, map(operator.truediv, map(_DIFF_NORM, figures), itertools.repeat(g)), itertools.repeat(p))
+    rows = map(operator.add, map(operator.add, heads, figures), zip(shares))  # (head, *figures, share)
+    return list(itertools.starmap(DiffRow, rows))
+
+
+_NAME, _DTYPE, _SHAPE, _NBYTES, _SKIP, _LOCATION, _ARRAY_DTYPE = map(
+    operator.attrgetter, ("name", "dtype", "shape", "nbytes", "skip", "location", "array_dtype")
+)
+_DIFF_NORM = operator.itemgetter(2)
+
+
 def _names_in_b(listed_a: dict[str, TensorInfo], maps: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """Each selected name of A and the name it has in B (`name_in_b`).
 
     Raises:
         UsageError: when the maps give two tensors of A one name in B.
     """
+    if not maps:
+        return dict(zip(listed_a, listed_a, strict=True))
     in_b: dict[str, str] = {}
     taken: dict[str, str] = {}
     for name in listed_a:

@@ -219,7 +219,7 @@ def run(
         whatever a worker raised (the first error; the other workers are stopped).
     """
     align = align or {}
-    total = sum(t.nbytes for t in tensors)
+    total = sum(map(_NBYTES, tensors))
     jobs = jobs_for(jobs, make_kernel, total)
     max_bytes = chunk_bytes(jobs)
     whole = getattr(make_kernel(), "whole", False)

@@ -115,6 +115,9 @@ class DiffKernel:
         """Whole small pairs read together: runs of pairs of one pair of native floating dtypes, fewer than
         BLOCK values each, in a few NumPy passes for the run (`small_diffs`, the same bits); the others
         pair by pair."""
+        if self._one_run(ids):  # the common case, tested at once: every pair of one run
+            self._run(ids, raw_a, starts_a, raw_b, starts_b)
+            return
         i = 0
         for key, group in itertools.groupby(self._run_key(k) for k in ids):
             j = i + sum(1 for _ in group)
@@ -131,6 +134,17 @@ class DiffKernel:
         a, b = self.pairs[i]
         small = self.numeric[i] and a.stored_dtype is None and b.stored_dtype is None
         return (a.array_dtype, b.array_dtype) if small and 0 < a.size < BLOCK else None
+
+    def _one_run(self, ids: Sequence[int]) -> bool:
+        """Whether every pair of `ids` has one `_run_key` (not None)."""
+        if not all(map(self.numeric.__getitem__, ids)):
+            return False
+        side_a, side_b = zip(*map(self.pairs.__getitem__, ids), strict=True)
+        dtypes = set(zip(map(_ARRAY_DTYPE, side_a), map(_ARRAY_DTYPE, side_b), strict=True))
+        if len(dtypes) != 1 or set(map(_STORED_DTYPE, side_a)) | set(map(_STORED_DTYPE, side_b)) != {None}:
+            return False
+        sizes = list(map(_NBYTES, side_a))
+        return min(sizes) > 0 and max(sizes) < BLOCK * side_a[0].array_dtype.itemsize
 
     def _run(
         self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
@@ -357,8 +371,8 @@ def _plain_rows(
     return list(itertools.starmap(DiffRow, rows))
 
 
-_NAME, _DTYPE, _SHAPE, _NBYTES, _SKIP, _LOCATION, _ARRAY_DTYPE = map(
-    operator.attrgetter, ("name", "dtype", "shape", "nbytes", "skip", "location", "array_dtype")
+_NAME, _DTYPE, _SHAPE, _NBYTES, _SKIP, _LOCATION, _ARRAY_DTYPE, _STORED_DTYPE = map(
+    operator.attrgetter, ("name", "dtype", "shape", "nbytes", "skip", "location", "array_dtype", "stored_dtype")
 )
 _DIFF_NORM = operator.itemgetter(2)
 

@@ -98,7 +98,11 @@ def _sizes(run: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
     return np.fromiter(map(_NBYTES, run), np.int64, len(run)) // dtype.itemsize
 
 
-_NBYTES, _ARRAY_DTYPE, _STORED_DTYPE = map(operator.attrgetter, ("nbytes", "array_dtype", "stored_dtype"))
+_NBYTES, _ARRAY_DTYPE, _STORED_DTYPE, _NAME = map(
+    operator.attrgetter, ("nbytes", "array_dtype", "stored_dtype", "name")
+)
+_HEAD = operator.attrgetter("name", "dtype", "shape", "nbytes")
+_FIRST = operator.itemgetter(0)
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
@@ -169,7 +173,7 @@ def measure(
 ) -> Measured:
     """One pass over the selected tensors: each one's norm, max |x|, NaN and Inf counts, and share; `repeats`
     (`shared_once`) are measured and listed but left out of the total."""
-    progress.phase("measuring", sum(t.nbytes for t in selected))
+    progress.phase("measuring", sum(map(_NBYTES, selected)))
     results = passes.run_pass(ckpt, selected, lambda: NormKernel(p), jobs, progress=progress)
     batches = [batch for _, small in results for batch in small]
     return measured(selected, skipped, combined(p, selected, (accs for accs, _ in results), batches), p, repeats)
@@ -213,12 +217,11 @@ def measured(
         if plain
         else {n: x for names, s in per_tensor.batches for n, x in zip(names, s.shares_of(total), strict=True)}
     )
-    if plain:
-        rows = [
-            TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, (norm / g) ** p)
-            for t in selected
-            for norm, max_abs, nan, inf in (stats[t.name],)
-        ]
+    if plain:  # (by maps, in C but for each row's __init__: a checkpoint may hold 10,000 tiny tensors)
+        figures = list(map(stats.__getitem__, map(_NAME, selected)))  # (norm, max_abs, nan, inf)
+        heads = map(_HEAD, selected)  # (name, dtype, shape, nbytes)
+        shares = map(pow, map(operator.truediv, map(_FIRST, figures), itertools.repeat(g)), itertools.repeat(p))
+        rows = list(itertools.starmap(TensorRow, map(operator.add, map(operator.add, heads, figures), zip(shares))))
     else:
         rows = [
             TensorRow(

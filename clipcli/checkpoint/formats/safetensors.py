@@ -8,6 +8,7 @@ import operator
 import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import repeat, starmap
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -234,7 +235,7 @@ _PAIRS = re.compile(f"{_OFFSET},{_OFFSET}(?:;{_OFFSET},{_OFFSET})*")  # every te
 _SHAPE = re.compile(rf":\[(?:{_NUMBER}(?:,{_NUMBER})*)?\],")  # the text between "shape" and "data_offsets"
 _ESCAPED = bytes(range(32)) + b"\\"  # what a JSON string holds only escaped, and the escapes
 _HEAD, _TAIL, _MIDDLE = map(operator.itemgetter, (slice(2), slice(-3, None), slice(2, -3)))
-_BITS = operator.attrgetter("bits")
+_BITS, _NAME, _ARRAY = map(operator.attrgetter, ("bits", "name", "array"))
 
 
 def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], list[Entry]] | None:
@@ -340,11 +341,14 @@ def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[Te
     """The metadata and tensors of a .safetensors file, from its header alone."""
     with store.open(path) as f, gc_paused():
         metadata, entries = read_header(path, f, size_of(f))
-        file = str(path)
-        return metadata, [
-            TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
-            for start, nbytes, name, d, shape in entries
-        ]
+        if not entries:
+            return metadata, []
+        # (made by maps, in C but for each TensorInfo's __init__: a header may list 10,000 tiny tensors)
+        starts, sizes, names, dtypes, shapes = zip(*entries, strict=True)
+        spans = map(tuple.__new__, repeat(Span), zip(starts, repeat(None)))  # Span(start), without a call each
+        file = repeat(str(path))
+        fields = names, map(_NAME, dtypes), shapes, sizes, file, map(_ARRAY, dtypes), repeat(False), spans
+        return metadata, list(starmap(TensorInfo, zip(*fields, strict=False)))  # (`repeat`s end with the rest)
 
 
 def write(

@@ -1214,7 +1214,7 @@ _JSON_VALUES = st.one_of(
 
 @settings(max_examples=500, deadline=None)
 @given(
-    dtype=st.one_of(st.sampled_from(sorted(_safetensors.DTYPES)), _JSON_VALUES, st.lists(st.integers(), max_size=1)),
+    dtype=st.one_of(st.sampled_from(sorted(_safetensors.CODES)), _JSON_VALUES, st.lists(st.integers(), max_size=1)),
     shape=st.one_of(st.lists(st.integers(-1, 6), max_size=3), st.lists(_JSON_VALUES, max_size=2), _JSON_VALUES),
     offsets=st.one_of(st.lists(st.integers(-1, 400), min_size=1, max_size=3), st.lists(_JSON_VALUES, max_size=3)),
     keys=st.sets(st.sampled_from(["dtype", "shape", "data_offsets"])),
@@ -1222,7 +1222,7 @@ _JSON_VALUES = st.one_of(
     fitting=st.booleans(),
 )
 def test_an_entry_is_taken_or_refused_as_the_full_checks_say(dtype, shape, offsets, keys, extra, fitting):
-    d = _safetensors.DTYPES.get(dtype) if isinstance(dtype, str) else None
+    d = _safetensors.dtype_by_code(dtype) if isinstance(dtype, str) else None
     if fitting and d is not None and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape):
         bits = int(np.prod(shape, dtype=object)) * d.bits  # the offsets the shape needs (a well-formed entry)
         offsets = [offsets[0], offsets[0] + bits // 8] if offsets and type(offsets[0]) is int else offsets

@@ -314,7 +314,7 @@ def test_fuzz_safetensors_reference_layout_reads_as_the_checked_parse(tmp_path, 
     header: dict = {} if metadata is None else {"__metadata__": metadata}
     offset = 0
     for name, code, shape in tensors:
-        nbytes = -(-math.prod(shape) * safetensors_format.DTYPES[code].bits // 8)
+        nbytes = -(-math.prod(shape) * safetensors_format.dtype_by_code(code).bits // 8)
         header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode() + b" " * padding

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -12,7 +13,6 @@ from itertools import repeat, starmap
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from clipcli.checkpoint.atomic import write_data
@@ -51,15 +51,9 @@ def _dtypes() -> dict[str, Dtype]:
         ("U64", np.dtype(np.uint64)),
         ("I64", np.dtype(np.int64)),
         ("F16", np.dtype(np.float16)),
-        ("BF16", np.dtype(ml_dtypes.bfloat16)),
         ("F32", np.dtype(np.float32)),
         ("F64", np.dtype(np.float64)),
         ("C64", np.dtype(np.complex64)),
-        ("F8_E4M3", np.dtype(ml_dtypes.float8_e4m3fn)),
-        ("F8_E5M2", np.dtype(ml_dtypes.float8_e5m2)),
-        ("F8_E4M3FNUZ", np.dtype(ml_dtypes.float8_e4m3fnuz)),
-        ("F8_E5M2FNUZ", np.dtype(ml_dtypes.float8_e5m2fnuz)),
-        ("F8_E8M0", np.dtype(ml_dtypes.float8_e8m0fnu)),  # the scale type: read as a PyTorch file's is
     ]
     out = {code: Dtype(code, dt.name, dt.itemsize * 8, dt) for code, dt in table}
     # Newer types with no arithmetic here (packed sub-byte floats): carried as bytes.
@@ -72,8 +66,37 @@ def _dtypes() -> dict[str, Dtype]:
     return out
 
 
-DTYPES = _dtypes()
+# ml_dtypes' types, by their names there: added to DTYPES (and ml_dtypes imported) when a header first names one
+_ML_CODES = {
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",  # the scale type: read as a PyTorch file's is
+}
+DTYPES = _dtypes()  # (those of ml_dtypes once `dtype_by_code` has added them)
 BY_ARRAY_DTYPE = {d.array: d for d in DTYPES.values() if d.array is not None}
+CODES = frozenset(DTYPES) | frozenset(_ML_CODES)  # every code a header may name
+
+
+def dtype_by_code(code: str) -> Dtype | None:
+    """The Dtype a header's code names, or None. ml_dtypes is imported (and its types added to DTYPES and
+    BY_ARRAY_DTYPE) when a header first names one of its types: a file of NumPy's own types need not (5 ms)."""
+    d = DTYPES.get(code)
+    if d is None and code in _ML_CODES:
+        _add_ml_dtypes()
+        d = DTYPES.get(code)
+    return d
+
+
+@functools.cache
+def _add_ml_dtypes() -> None:
+    import ml_dtypes
+
+    for code, name in _ML_CODES.items():
+        array = np.dtype(getattr(ml_dtypes, name))
+        DTYPES[code] = BY_ARRAY_DTYPE[array] = Dtype(code, array.name, array.itemsize * 8, array)
 
 
 # One tensor of a header: (start, nbytes, name, dtype, shape), its data at `start` (absolute) for `nbytes`
@@ -104,7 +127,7 @@ def _object(pairs: list[tuple[str, Any]]) -> Any:
     if len(pairs) == 3:
         (k1, code), (k2, shape), (k3, offsets) = pairs
         if k1 == "dtype" and k2 == "shape" and k3 == "data_offsets" and type(shape) is list and type(offsets) is list:
-            d = DTYPES.get(code) if type(code) is str else None
+            d = dtype_by_code(code) if type(code) is str else None
             if d is not None and len(offsets) == 2:
                 begin, end = offsets
                 if (
@@ -292,6 +315,8 @@ def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], list[Ent
             return None
         alike[shape] = tuple(map(int, shape[2:-2].split(","))) if shape != ":[]," else ()
     dtypes = list(map(DTYPES.get, codes))
+    if None in dtypes:  # (ml_dtypes' types, added when first named)
+        dtypes = list(map(dtype_by_code, codes))
     if None in dtypes or len(set(names)) < count or "__metadata__" in names:
         return None
     counts = {written: math.prod(shape) for written, shape in alike.items()}
@@ -413,7 +438,8 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str):
         raise MalformedError("missing or non-string 'dtype'", path, name)
-    if dtype not in DTYPES:
+    d = dtype_by_code(dtype)
+    if d is None:
         raise UnsupportedError(f"unknown dtype {dtype!r}", path, name)
     if type(shape) is not list or not _counts(shape):
         raise MalformedError(f"'shape' must be a list of integers from 0 to 2**63 - 1, got {_shown(shape)}", path, name)
@@ -423,7 +449,6 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     begin, end = offsets
     if end < begin:
         raise MalformedError(f"data offsets {begin}..{end} end before they begin", path, name)
-    d = DTYPES[dtype]
     if _overflows(shape, d.bits):
         raise MalformedError(
             f"shape {tuple(shape)} of {dtype} overflows 64 bits, as the reference reader counts it", path, name
@@ -492,6 +517,8 @@ def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], met
 def dtype_for(array_dtype: np.dtype) -> Dtype:
     """The safetensors dtype of a NumPy / ml_dtypes array type."""
     native = np.dtype(array_dtype).newbyteorder("=")
+    if native.num >= 256:  # a type NumPy does not know itself (NPY_USERDEF on): ml_dtypes'
+        _add_ml_dtypes()
     d = BY_ARRAY_DTYPE.get(native)
     if d is None:
         raise UnsupportedError(f"safetensors has no dtype for {np.dtype(array_dtype).name}")

@@ -17,10 +17,12 @@ from clipcli.checkpoint.engine import (
     Range,
     Reader,
     Worker,
+    check_each,
     chunk_bytes,
     dispatch,
     jobs_for,
     read_ahead,
+    starts_in,
 )
 from clipcli.checkpoint.tensor import Span
 
@@ -189,12 +191,10 @@ class _PairWorker(Worker):
             first = ts[0].location.offset
             buf = buffers.get(ts[-1].location.offset + ts[-1].nbytes - first, k)
             reader.pread(ts[0] if len(ts) == 1 else Range(ts[0], buf.size), 0, buf)
-            at = [t.location.offset - first for t in ts]
-            for t, s in zip(ts, at, strict=True):  # each tensor's own checks (a stored member's CRC-32)
-                if len(ts) > 1 and t.location.crc is not None:
-                    reader.check(t, buf[s : s + t.nbytes])
+            if len(ts) > 1:
+                check_each(reader, ts, buf, first)
             raws.append(buf)
-            starts.append(at)
+            starts.append(starts_in(ts, first))
         batch = getattr(kernel, "batch", None)
         if batch is not None:
             batch(ids, raws[0], starts[0], raws[1], starts[1])

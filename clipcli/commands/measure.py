@@ -66,7 +66,7 @@ class NormKernel:
             and max(map(_NBYTES, ts)) < BLOCK * dtype.itemsize
         ):
             values = gathered(raw, starts, ts, dtype)
-            self.small.append(([u.name for u in ts], small_norms(values, _sizes(ts, dtype), self.p)))
+            self.small.append((list(map(_NAME, ts)), small_norms(values, _sizes(ts, dtype), self.p)))
             return
         i = 0
         while i < len(ts):

@@ -150,17 +150,17 @@ class DiffKernel:
         self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
     ) -> None:
         ta, tb = self.pairs[ids[0]]
-        run = [self.pairs[i] for i in ids]
-        va = gathered(raw_a, starts_a, [a for a, _ in run], ta.array_dtype)
-        vb = gathered(raw_b, starts_b, [b for _, b in run], tb.array_dtype)
-        sizes = [a.nbytes // ta.array_dtype.itemsize for a, _ in run]
+        side_a, side_b = map(list, zip(*map(self.pairs.__getitem__, ids), strict=True))
+        va = gathered(raw_a, starts_a, side_a, ta.array_dtype)
+        vb = gathered(raw_b, starts_b, side_b, tb.array_dtype)
+        sizes = np.fromiter(map(_NBYTES, side_a), np.int64, len(side_a)) // ta.array_dtype.itemsize
         self.small.append((list(ids), small_diffs(va, vb, sizes, self.p)))
         if ta.array_dtype != tb.array_dtype:
             self.differs.update(ids)
             return
         bits = np.dtype(f"u{ta.array_dtype.itemsize}")
         equal = np.logical_and.reduceat(va.view(bits) == vb.view(bits), np.cumsum(sizes) - sizes)
-        self.differs.update(i for i, same in zip(ids, equal.tolist(), strict=True) if not same)
+        self.differs.update(itertools.compress(ids, (~equal).tolist()))
 
     def pair(self, i: int, start: int, a: np.ndarray, b: np.ndarray, same: bool) -> None:
         if not same:
@@ -266,6 +266,9 @@ def diff(
     figures: list[DiffFigures | None] = [None] * len(pairs)
     for ids, s in per_pair.batches:
         s.merge_into(total)
+        if ids[-1] - ids[0] + 1 == len(ids):  # (ids ascending: a range, as a run of pairs lying together is)
+            figures[ids[0] : ids[-1] + 1] = s.figures()
+            continue
         for i, f in zip(ids, s.figures(), strict=True):
             figures[i] = f
     for i, acc in per_pair.items():  # the pairs measured alone

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clipcli.core.blocks import BLOCK, segment_power_sums, widen
+from clipcli.core.blocks import BLOCK, PIECE, segment_power_sums, widen
 from clipcli.core.exact import ExactSum, cosine_of, int_quotient, int_root, int_term, ldexp, share, sqrt_quotients
 from clipcli.core.norms import NormAccumulator, parse_ord
 
@@ -107,22 +107,33 @@ def small_norms(x: np.ndarray, sizes: Sequence[int], ord: Any = 2) -> SmallNorms
     max_abs, sums = np.zeros(n), np.zeros(n)
     nan, inf, exps = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     present = np.flatnonzero(lengths)
-    if present.size:
-        starts = (np.cumsum(lengths) - lengths)[present]
+    ends = np.cumsum(lengths)
+    present_ends, flat, unsure = ends[present], x.reshape(-1), []
+    # In pieces of whole tensors of at most PIECE values (or one), whose float64 values stay in the core's cache:
+    # a segment's figures do not depend on its neighbours, so the same bits as all at once.
+    first = 0
+    while first < present.size:
+        i = present[first]
+        lo = ends[i] - lengths[i]
+        last = max(first + 1, int(np.searchsorted(present_ends, lo + PIECE, "right")))
+        ids = present[first:last]
+        starts = ends[ids] - lengths[ids] - lo
         # Signalling NaNs are counted as NaN all the same; the sums of segments holding NaN or Inf (which may
         # overflow) are not used.
         with np.errstate(invalid="ignore", over="ignore"):
-            w = widen(x.reshape(-1))[1]
+            w = widen(flat[lo : ends[ids[-1]]])[1]
             m = np.maximum.reduceat(np.abs(w), starts)
             finite = np.isfinite(m)
-            sums[present], exps[present] = segment_power_sums(w, starts, np.where(finite, m, 1.0), p)
-        max_abs[present] = m
-        for i in present[~finite].tolist():  # NaN or Inf: counted one by one (rare)
-            acc = NormAccumulator(p)
-            a = int(np.sum(lengths[:i]))
-            with np.errstate(invalid="ignore"):
-                acc.add_rows(widen(x.reshape(-1)[a : a + lengths[i]])[1].reshape(1, -1))
-            max_abs[i], nan[i], inf[i] = acc.max_abs, acc.nan, acc.inf
+            sums[ids], exps[ids] = segment_power_sums(w, starts, np.where(finite, m, 1.0), p)
+        max_abs[ids] = m
+        unsure += ids[~finite].tolist()
+        first = last
+    for i in unsure:  # NaN or Inf: counted one by one (rare)
+        acc = NormAccumulator(p)
+        a = int(np.sum(lengths[:i]))
+        with np.errstate(invalid="ignore"):
+            acc.add_rows(widen(flat[a : a + lengths[i]])[1].reshape(1, -1))
+        max_abs[i], nan[i], inf[i] = acc.max_abs, acc.nan, acc.inf
     return SmallNorms(p, lengths, max_abs, nan, inf, sums, exps)
 
 

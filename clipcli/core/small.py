@@ -272,12 +272,50 @@ def small_diffs(a: np.ndarray, b: np.ndarray, sizes: Sequence[int], ord: Any = 2
     The same bits as adding each pair to a `DiffAccumulator` of its own, in a few NumPy passes for all of
     them: two LoRA adapters of 12,000 tiny tensors compare at the speed of their bytes, not of 12,000 objects.
     """
-    from clipcli.core.differences import DiffAccumulator, product_scales
-
     p = parse_ord(ord)
     lengths = np.asarray(sizes, np.int64)
     if a.size != b.size or lengths.sum() != a.size or (lengths >= BLOCK).any() or (lengths <= 0).any():
         raise ValueError(f"small_diffs takes pairs of equal size, each of 1 to {BLOCK - 1} values")
+    # In pieces of whole pairs of at most PIECE values a side (or one), whose float64 values stay in the core's
+    # cache: a pair's figures do not depend on its neighbours, so the same bits as all at once.
+    ends = np.cumsum(lengths)
+    pieces, first = [], 0
+    while first < lengths.size:
+        lo = ends[first] - lengths[first]
+        last = max(first + 1, int(np.searchsorted(ends, lo + PIECE, "right")))
+        pieces.append(
+            _piece_diffs(a.reshape(-1)[lo : ends[last - 1]], b.reshape(-1)[lo : ends[last - 1]], lengths[first:last], p)
+        )
+        first = last
+    if len(pieces) == 1:
+        return pieces[0]
+    return _joined(pieces)
+
+
+def _joined(pieces: list[SmallDiffs]) -> SmallDiffs:
+    """The SmallDiffs of pairs measured in pieces, one after another."""
+
+    def norms(side: str) -> SmallNorms:
+        parts = [getattr(s, side) for s in pieces]
+        fields = ("size", "max_abs", "nan", "inf", "sums", "exps")
+        return SmallNorms(parts[0].p, *(np.concatenate([getattr(n, f) for n in parts]) for f in fields))
+
+    p = pieces[0].p
+    a, b = norms("a"), norms("b")
+    a2, b2 = (a, b) if p == 2.0 else (norms("a2"), norms("b2"))
+    fields = ("diff", "diff_exps", "dot", "dot_exps", "max_abs_diff", "changed")
+    arrays = (np.concatenate([getattr(s, f) for s in pieces]) for f in fields)
+    general, offset = {}, 0
+    for s in pieces:
+        general.update((j + offset, acc) for j, acc in s.general.items())
+        offset += len(s)
+    return SmallDiffs(p, a, b, a2, b2, *arrays, general)
+
+
+def _piece_diffs(a: np.ndarray, b: np.ndarray, lengths: np.ndarray, p: float) -> SmallDiffs:
+    """`small_diffs` of one piece."""
+    from clipcli.core.differences import DiffAccumulator, product_scales
+
     starts = np.cumsum(lengths) - lengths
     # Signalling NaNs are NaN all the same; pairs holding NaN or inf, or whose differences overflow (float64
     # values), take the general path: their sums here are not used.

@@ -23,8 +23,8 @@ from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
-# Headers up to this length are read by `_compact` where they can be (fast, about 250 bytes a tensor more at the
-# peak); longer ones by `_object`, a few objects a tensor (a header may list a million tensors)
+# Headers up to this length are read by `_compact` where they can be (fast; its parts of the text cost about 800
+# bytes a tensor at the peak, 400 more than `_object`'s); longer ones by `_object` (a header may list a million)
 COMPACT_HEADER = 4 << 20
 SAFETENSORS = "a safetensors file"
 _JSON_SPACE = b" \t\r\n"

@@ -1298,3 +1298,23 @@ def test_shard_directories_skip_folders_named_like_shards_and_name_broken_links(
     with pytest.raises(MissingFileError, match="not a file \\(a broken link\\?\\)") as e:
         open_checkpoint(tmp_path)
     assert "gone.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # one tensor's offsets split over the text after two names (JSON it is not): not read as two tensors
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},:[4,"b":{"dtype":"F32","shape":[1],"data_offsets"8]}}',
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},:[4,8]},"b":{"dtype":"F32","shape":[1],"data_offsets""}',
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[00,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}',
+    ],
+)
+def test_a_header_split_at_its_quotes_is_taken_only_where_it_is_json(tmp_path, text):
+    # found reading headers by splitting them at their quotes (`_compact`, timing 10,000 tiny tensors): text that is
+    # laid out like a tensor's objects but is no JSON is refused as the checking parse refuses it
+    raw = text.encode()
+    assert _safetensors._compact(raw, text, 8 + len(raw)) is None
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(MalformedError, match="not valid UTF-8 JSON"):
+        open_checkpoint(path)

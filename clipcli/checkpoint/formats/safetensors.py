@@ -254,10 +254,10 @@ def _parse(
 
 _NUMBER = "(?:0|[1-9][0-9]*)"  # JSON's integers without a sign
 _OFFSET = "(?:0|[1-9][0-9]{0,17})"  # and below 10**18, so below MAX_COUNT, also times 8
-_PAIRS = re.compile(f"{_OFFSET},{_OFFSET}(?:;{_OFFSET},{_OFFSET})*")  # every tensor's data offsets, `;` between
+_PAIRS = re.compile(rf"(?::\[{_OFFSET},{_OFFSET}\]\}},)*")  # every tensor's data offsets, as a header has them
 _SHAPE = re.compile(rf":\[(?:{_NUMBER}(?:,{_NUMBER})*)?\],")  # the text between "shape" and "data_offsets"
 _ESCAPED = bytes(range(32)) + b"\\"  # what a JSON string holds only escaped, and the escapes
-_HEAD, _TAIL, _MIDDLE = map(operator.itemgetter, (slice(2), slice(-3, None), slice(2, -3)))
+_HEAD = operator.itemgetter(slice(2))
 _BITS, _NAME, _ARRAY = map(operator.attrgetter, ("bits", "name", "array"))
 
 
@@ -304,10 +304,10 @@ def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], list[Ent
     if not offsets[-1].endswith("]}}"):
         return None
     offsets[-1] = offsets[-1][:-1] + ","  # (as the others end)
-    if set(map(_HEAD, offsets)) != {":["} or set(map(_TAIL, offsets)) != {"]},"}:
-        return None
-    pairs = ";".join(map(_MIDDLE, offsets))  # "begin,end;begin,end;..."
-    if _PAIRS.fullmatch(pairs) is None:
+    # Every one starts ":[" and, joined, they are units ":[begin,end]},": then each is one unit (the joined text
+    # holds as many ":[" as units, one at each one's start)
+    pairs = "".join(offsets)
+    if set(map(_HEAD, offsets)) != {":["} or _PAIRS.fullmatch(pairs) is None:
         return None
     alike = {}  # each shape's text parsed once (a header holds few)
     for shape in set(shapes):
@@ -322,7 +322,9 @@ def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], list[Ent
     counts = {written: math.prod(shape) for written, shape in alike.items()}
     if not all(map(_counts, alike.values())) or max(counts.values()) >= 1 << 56:  # (times bits: within int64)
         return None
-    numbers = np.fromstring(pairs.replace(";", ","), np.int64, sep=",")  # (the digits checked above)
+    numbers = np.fromstring(pairs[2:-3].replace("]},:[", ","), np.int64, sep=",")  # (the digits checked above)
+    if numbers.size != 2 * count:
+        return None
     begins, sizes = numbers[0::2], numbers[1::2] - numbers[0::2]
     bits = np.fromiter(map(operator.mul, map(counts.__getitem__, shapes), map(_BITS, dtypes)), np.int64, count)
     # data, so no dimension is 0 and none overflows (see `_checked_entry`)

@@ -190,12 +190,20 @@ def measured(
     total leaves out `repeats`, each a repeat of a name that counts (`shared_once`)."""
     total = NormAccumulator(p)
     stats: dict[str, tuple[float, float, int, int]] = {}
+    batched = list(itertools.chain.from_iterable(names for names, _ in per_tensor.batches))
+    # every tensor batched, in order, none a repeat (the common case): their figures in a list, not a dict by name
+    in_order: list[tuple[float, float, int, int]] | None = (
+        [] if not repeats and batched == list(map(_NAME, selected)) else None
+    )
     for names, s in per_tensor.batches:
         if not repeats:
             s.merge_into(total)
         figures = zip(s.norms().tolist(), s.max_abs.tolist(), s.nan.tolist(), s.inf.tolist(), strict=True)
-        stats.update(zip(names, figures, strict=True))
-    if len(stats) < len(selected):  # (names are distinct: every one batched or not)
+        if in_order is not None:
+            in_order += figures
+        else:
+            stats.update(zip(names, figures, strict=True))
+    if in_order is None and len(stats) < len(selected):  # (names are distinct: every one batched or not)
         for t in selected:
             if t.name not in stats:
                 acc = per_tensor[t.name]
@@ -212,13 +220,16 @@ def measured(
     # exact sums, which are right also where the norms overflow float64, and for any order (the ratio's
     # rounding grows p times in its power: shares of 1e15-norms were 3% off)
     plain = 0 < g < math.inf and p in (1.0, 2.0)
+    if in_order is not None and not plain:  # (those rows take the figures by name)
+        stats = dict(zip(batched, in_order, strict=True))
     shares = (
         {}
         if plain
         else {n: x for names, s in per_tensor.batches for n, x in zip(names, s.shares_of(total), strict=True)}
     )
     if plain:  # (by maps, in C but for each row's __init__: a checkpoint may hold 10,000 tiny tensors)
-        figures = list(map(stats.__getitem__, map(_NAME, selected)))  # (norm, max_abs, nan, inf)
+        figures = in_order if in_order is not None else list(map(stats.__getitem__, map(_NAME, selected)))
+        # (norm, max_abs, nan, inf)
         heads = map(_HEAD, selected)  # (name, dtype, shape, nbytes)
         shares = map(pow, map(operator.truediv, map(_FIRST, figures), itertools.repeat(g)), itertools.repeat(p))
         rows = list(itertools.starmap(TensorRow, map(operator.add, map(operator.add, heads, figures), zip(shares))))

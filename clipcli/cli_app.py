@@ -224,7 +224,7 @@ def selection_of(include: list[str] | None, exclude: list[str] | None, *ckpts: A
     from clipcli.commands.select import Selection
 
     selection = Selection(tuple(include or ()), tuple(exclude or ()))
-    if any(selection.listed(t) for c in ckpts for t in c.tensors):
+    if (include or exclude) and any(selection.listed(t) for c in ckpts for t in c.tensors):
         for option in selection.unmatched(*ckpts):
             typer.echo(f"clipcli: warning: {option} matches no tensor", err=True)
     return selection

@@ -4,6 +4,7 @@
 # as strings it would evaluate each of them (450 evals, a tenth of the 10,000-tiny-tensor run's start-up).
 
 import math
+import operator
 import os
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,7 @@ def global_norm(
         options = command.NormOptions(
             selection, p, depth, sort and sort.value, top, worker_count(jobs), count_shared_once=count_shared_once
         )
-        with progress_bar(sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
+        with progress_bar(_bytes_of(*opened), quiet) as progress:
             report = command.norm_report(opened, options, progress, combined, prefix_with_file, limits)
         emit(report, fmt, quiet)
         exit_on_gate(gates.failure(command.failures(report, limits), len(report.checkpoints)))
@@ -361,7 +362,7 @@ def _clip_together(
                 settings.append(
                     clip.ClipGlobalNormOptions(output=target, in_place=in_place, selection=selection, **fields)
                 )
-            with progress_bar(2 * sum(t.nbytes for c in opened for t in c.tensors), quiet) as progress:
+            with progress_bar(2 * _bytes_of(*opened), quiet) as progress:
                 result = clip.clip_global_norms(opened, settings, progress)
     except BaseException:
         if made and directory.is_dir() and not any(directory.iterdir()):
@@ -417,7 +418,7 @@ def diff(
             selection = selection_of(include, exclude, ca, cb)
             pairs = tuple(command.parse_map(m) for m in maps or ())
             options = command.DiffOptions(selection, p, depth, sort and sort.value, top, worker_count(jobs), pairs)
-            total = sum(t.nbytes for t in ca.tensors) + sum(t.nbytes for t in cb.tensors)
+            total = _bytes_of(ca, cb)
             with progress_bar(total, quiet) as progress:
                 report = command.diff(ca, cb, options, progress)
         command.check_measured(report, limits)
@@ -528,3 +529,11 @@ def trajectory(
             with atomic_write(plot) as f:
                 f.write(figure)
         emit(report, fmt, quiet)
+
+
+def _bytes_of(*ckpts: Any) -> int:
+    """The bytes of every tensor of the checkpoints (for a progress bar)."""
+    return sum(sum(map(_NBYTES, c.tensors)) for c in ckpts)
+
+
+_NBYTES = operator.attrgetter("nbytes")

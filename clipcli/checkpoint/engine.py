@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import operator
 import os
@@ -164,8 +165,8 @@ def _small_runs(tensors: Sequence[Any], max_bytes: int) -> list[tuple[int, int]]
     return runs
 
 
-_NBYTES, _LOCATION, _FILE, _ARRAY_DTYPE, _OFFSET = map(
-    operator.attrgetter, ("nbytes", "location", "file", "array_dtype", "offset")
+_NBYTES, _LOCATION, _FILE, _ARRAY_DTYPE, _OFFSET, _CRC = map(
+    operator.attrgetter, ("nbytes", "location", "file", "array_dtype", "offset", "crc")
 )
 
 
@@ -219,7 +220,7 @@ def run(
         whatever a worker raised (the first error; the other workers are stopped).
     """
     align = align or {}
-    total = sum(t.nbytes for t in tensors)
+    total = sum(map(_NBYTES, tensors))
     jobs = jobs_for(jobs, make_kernel, total)
     max_bytes = chunk_bytes(jobs)
     whole = getattr(make_kernel(), "whole", False)
@@ -290,7 +291,7 @@ class Worker:
         if task.stream:
             self._stream(kernel, self.tensors[task.tensors[0]], progress)
         elif task.batch:
-            self._batch(kernel, [self.tensors[j] for j in task.tensors], progress, buffers)
+            self._batch(kernel, list(map(self.tensors.__getitem__, task.tensors)), progress, buffers)
         else:
             t = self.tensors[task.tensors[0]]
             buf = buffers.get(task.nbytes)
@@ -304,13 +305,10 @@ class Worker:
         buf = buffers.get(n)
         self.reader.pread(ts[0] if len(ts) == 1 else Range(ts[0], n), 0, buf)
         if len(ts) > 1:
-            for t in ts:  # each tensor's own checks (a stored member's CRC-32), as its own read would make
-                if t.location.crc is not None:
-                    at = t.location.offset - start
-                    self.reader.check(t, buf[at : at + t.nbytes])
+            check_each(self.reader, ts, buf, start)
         batch = getattr(kernel, "batch", None)
         if batch is not None:  # the kernel takes them all at once (the norms of many tiny tensors)
-            batch(ts, buf, [t.location.offset - start for t in ts])
+            batch(ts, buf, starts_in(ts, start))
         else:
             for t in ts:
                 at = t.location.offset - start
@@ -323,6 +321,22 @@ class Worker:
             kernel.chunk(t, offset, values)
             offset += values.nbytes
             progress(values.nbytes)
+
+
+def starts_in(ts: list[Any], start: int) -> list[int]:
+    """Where each of tensors at `Span`s starts in a buffer read from `start`."""
+    return list(map(operator.sub, map(_OFFSET, map(_LOCATION, ts)), itertools.repeat(start)))
+
+
+def check_each(reader: Any, ts: list[Any], buf: np.ndarray, start: int) -> None:
+    """Each tensor's own checks (a stored member's CRC-32) of tensors read together into `buf` from `start`, as its
+    own read would make them."""
+    if set(map(_CRC, map(_LOCATION, ts))) == {None}:  # (the common case, tested at once)
+        return
+    for t in ts:
+        if t.location.crc is not None:
+            at = t.location.offset - start
+            reader.check(t, buf[at : at + t.nbytes])
 
 
 class Buffers:

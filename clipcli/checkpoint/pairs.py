@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -15,10 +17,12 @@ from clipcli.checkpoint.engine import (
     Range,
     Reader,
     Worker,
+    check_each,
     chunk_bytes,
     dispatch,
     jobs_for,
     read_ahead,
+    starts_in,
 )
 from clipcli.checkpoint.tensor import Span
 
@@ -63,9 +67,24 @@ def run_pairs(
     elements. Small pairs lying one after another on both sides are read together, as `run` reads small
     tensors: given to the kernel's `batch(pairs, raw_a, starts_a, raw_b, starts_b)` where it has one.
     """
-    total = sum(a.nbytes + b.nbytes for a, b in pairs)
+    total = sum(map(_NBYTES, itertools.chain.from_iterable(pairs)))
     jobs = jobs_for(jobs, make_kernel, total)
     max_bytes = chunk_bytes(jobs)
+    tasks = _pair_tasks(readers, pairs, max_bytes, block)
+    work = _PairWorker(readers, pairs, tasks, make_kernel, max_bytes, block)
+    # each pair read in chunks, once, in the order its first chunk is taken
+    chunked = [pairs[i] for i in dict.fromkeys(t.pair for t in tasks if not (t.whole or t.stream or t.batch))]
+    with read_ahead(list(readers), [[a for a, _ in chunked], [b for _, b in chunked]]):
+        return dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
+
+
+def _pair_tasks(
+    readers: tuple[Reader, Reader], pairs: Sequence[tuple[Any, Any]], max_bytes: int, block: int
+) -> list[_PairTask]:
+    """The tasks of `run_pairs`: runs of small pairs lying together, pairs read whole, streamed or in chunks."""
+    runs = _small_pair_runs(pairs, max_bytes)
+    if runs is not None:
+        return [_PairTask(i, batch=tuple(range(i, j))) for i, j in runs]
     tasks: list[_PairTask] = []
     run: list[int] = []  # small pairs lying together on both sides
     for i, (a, b) in enumerate(pairs):
@@ -89,11 +108,43 @@ def run_pairs(
         tasks += [_PairTask(i, start, min(step, size - start)) for start in range(0, size, step)] or [_PairTask(i)]
     if run:
         tasks.append(_PairTask(run[0], batch=tuple(run)))
-    work = _PairWorker(readers, pairs, tasks, make_kernel, max_bytes, block)
-    # each pair read in chunks, once, in the order its first chunk is taken
-    chunked = [pairs[i] for i in dict.fromkeys(t.pair for t in tasks if not (t.whole or t.stream or t.batch))]
-    with read_ahead(list(readers), [[a for a, _ in chunked], [b for _, b in chunked]]):
-        return dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
+    return tasks
+
+
+def _small_pair_runs(pairs: Sequence[tuple[Any, Any]], max_bytes: int) -> list[tuple[int, int]] | None:
+    """`_pair_tasks`' runs (first, end) where every pair is small, in C order and in order at `Span`s of one
+    file a side (found per run, as `engine` finds runs of small tensors), else None."""
+    if not pairs:
+        return None
+    sides = tuple(zip(*pairs, strict=True))
+    starts, ends = [], []
+    for side in sides:
+        if (
+            set(map(type, map(_LOCATION, side))) != {Span}
+            or len(set(map(_FILE, side))) != 1
+            or None in set(map(_ARRAY_DTYPE, side))
+            or set(map(_FORTRAN, side)) != {False}
+        ):
+            return None
+        sizes = np.fromiter(map(_NBYTES, side), np.int64, len(side))
+        offsets = np.fromiter(map(_OFFSET, map(_LOCATION, side)), np.int64, len(side))
+        gaps = offsets[1:] - (offsets + sizes)[:-1]
+        if sizes.max() > SMALL_TENSOR or not ((gaps >= 0) & (gaps <= GAP)).all():
+            return None
+        starts.append(offsets.tolist())
+        ends.append(offsets + sizes)
+    runs, i = [], 0
+    while i < len(pairs):  # a run takes the pairs ending within max_bytes of its start on both sides (one at least)
+        limit = min(int(np.searchsorted(e, s[i] + max_bytes, "right")) for s, e in zip(starts, ends, strict=True))
+        j = max(i + 1, limit)
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+_NBYTES, _LOCATION, _FILE, _ARRAY_DTYPE, _FORTRAN, _OFFSET = map(
+    operator.attrgetter, ("nbytes", "location", "file", "array_dtype", "fortran_order", "offset")
+)
 
 
 class _PairWorker(Worker):
@@ -140,12 +191,10 @@ class _PairWorker(Worker):
             first = ts[0].location.offset
             buf = buffers.get(ts[-1].location.offset + ts[-1].nbytes - first, k)
             reader.pread(ts[0] if len(ts) == 1 else Range(ts[0], buf.size), 0, buf)
-            at = [t.location.offset - first for t in ts]
-            for t, s in zip(ts, at, strict=True):  # each tensor's own checks (a stored member's CRC-32)
-                if len(ts) > 1 and t.location.crc is not None:
-                    reader.check(t, buf[s : s + t.nbytes])
+            if len(ts) > 1:
+                check_each(reader, ts, buf, first)
             raws.append(buf)
-            starts.append(at)
+            starts.append(starts_in(ts, first))
         batch = getattr(kernel, "batch", None)
         if batch is not None:
             batch(ids, raws[0], starts[0], raws[1], starts[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import NormOptions
 from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress, gathered
 from clipcli.commands.select import Selection, floating, order
-from clipcli.core.blocks import BLOCK
+from clipcli.core.blocks import BLOCK, is_floating
 from clipcli.core.differences import DiffAccumulator, DiffFigures
 from clipcli.core.small import SmallDiffs, small_diffs
 from clipcli.errors import CheckFailedError, UsageError
@@ -114,6 +115,9 @@ class DiffKernel:
         """Whole small pairs read together: runs of pairs of one pair of native floating dtypes, fewer than
         BLOCK values each, in a few NumPy passes for the run (`small_diffs`, the same bits); the others
         pair by pair."""
+        if self._one_run(ids):  # the common case, tested at once: every pair of one run
+            self._run(ids, raw_a, starts_a, raw_b, starts_b)
+            return
         i = 0
         for key, group in itertools.groupby(self._run_key(k) for k in ids):
             j = i + sum(1 for _ in group)
@@ -131,21 +135,32 @@ class DiffKernel:
         small = self.numeric[i] and a.stored_dtype is None and b.stored_dtype is None
         return (a.array_dtype, b.array_dtype) if small and 0 < a.size < BLOCK else None
 
+    def _one_run(self, ids: Sequence[int]) -> bool:
+        """Whether every pair of `ids` has one `_run_key` (not None)."""
+        if not all(map(self.numeric.__getitem__, ids)):
+            return False
+        side_a, side_b = zip(*map(self.pairs.__getitem__, ids), strict=True)
+        dtypes = set(zip(map(_ARRAY_DTYPE, side_a), map(_ARRAY_DTYPE, side_b), strict=True))
+        if len(dtypes) != 1 or set(map(_STORED_DTYPE, side_a)) | set(map(_STORED_DTYPE, side_b)) != {None}:
+            return False
+        sizes = list(map(_NBYTES, side_a))
+        return min(sizes) > 0 and max(sizes) < BLOCK * side_a[0].array_dtype.itemsize
+
     def _run(
         self, ids: Sequence[int], raw_a: np.ndarray, starts_a: list[int], raw_b: np.ndarray, starts_b: list[int]
     ) -> None:
         ta, tb = self.pairs[ids[0]]
-        run = [self.pairs[i] for i in ids]
-        va = gathered(raw_a, starts_a, [a for a, _ in run], ta.array_dtype)
-        vb = gathered(raw_b, starts_b, [b for _, b in run], tb.array_dtype)
-        sizes = [a.nbytes // ta.array_dtype.itemsize for a, _ in run]
+        side_a, side_b = map(list, zip(*map(self.pairs.__getitem__, ids), strict=True))
+        va = gathered(raw_a, starts_a, side_a, ta.array_dtype)
+        vb = gathered(raw_b, starts_b, side_b, tb.array_dtype)
+        sizes = np.fromiter(map(_NBYTES, side_a), np.int64, len(side_a)) // ta.array_dtype.itemsize
         self.small.append((list(ids), small_diffs(va, vb, sizes, self.p)))
         if ta.array_dtype != tb.array_dtype:
             self.differs.update(ids)
             return
         bits = np.dtype(f"u{ta.array_dtype.itemsize}")
         equal = np.logical_and.reduceat(va.view(bits) == vb.view(bits), np.cumsum(sizes) - sizes)
-        self.differs.update(i for i, same in zip(ids, equal.tolist(), strict=True) if not same)
+        self.differs.update(itertools.compress(ids, (~equal).tolist()))
 
     def pair(self, i: int, start: int, a: np.ndarray, b: np.ndarray, same: bool) -> None:
         if not same:
@@ -213,15 +228,16 @@ def diff(
         UsageError: when --include/--exclude select nothing in either checkpoint.
     """
     selection, p, depth, sort, top = options.selection, options.ord, options.depth, options.sort, options.top
-    listed_a = {t.name: t for t in a.tensors if selection.selects(t.name)}
-    listed_b = {t.name: t for t in b.tensors if selection.selects(t.name)}
+    listed_a, listed_b = _listed(a.tensors, selection), _listed(b.tensors, selection)
     if (selection.include or selection.exclude) and not (listed_a and listed_b):
         selection.check(b if listed_a else a)  # never silently empty: per checkpoint
     in_b = _names_in_b(listed_a, options.maps)
     named_in_b = set(in_b.values())
-    names = [n for n in listed_a if in_b[n] in listed_b]
-    mismatched, pairs, numeric = [], [], []
-    for name in names:
+    in_both = list(map(listed_b.__contains__, map(in_b.__getitem__, listed_a)))  # (by map: 12,000 names)
+    names = list(itertools.compress(listed_a, in_both))
+    mismatched: list[Mismatch] = []
+    pairs, numeric = _comparable(listed_a, listed_b, in_b, names)
+    for name in names if not pairs and names else ():
         ta, tb = listed_a[name], listed_b[in_b[name]]
         if ta.shape != tb.shape:
             mismatched.append(Mismatch(name, ta.shape, tb.shape, "shapes differ"))
@@ -236,7 +252,7 @@ def diff(
         else:
             pairs.append((ta, tb))
             numeric.append(floating(ta) and floating(tb))
-    progress.phase("comparing", sum(x.nbytes + y.nbytes for x, y in pairs))
+    progress.phase("comparing", sum(map(_NBYTES, itertools.chain.from_iterable(pairs))))
     results = passes.run_pass((a, b), pairs, lambda: DiffKernel(p, pairs, numeric), options.jobs, progress=progress)
     per_pair = PerTensor([batch for _, small, _, _ in results for batch in small])
     differs: set[int] = set()
@@ -251,6 +267,9 @@ def diff(
     figures: list[DiffFigures | None] = [None] * len(pairs)
     for ids, s in per_pair.batches:
         s.merge_into(total)
+        if ids[-1] - ids[0] + 1 == len(ids):  # (ids ascending: a range, as a run of pairs lying together is)
+            figures[ids[0] : ids[-1] + 1] = s.figures()
+            continue
         for i, f in zip(ids, s.figures(), strict=True):
             figures[i] = f
     for i, acc in per_pair.items():  # the pairs measured alone
@@ -265,8 +284,9 @@ def diff(
         for ids, s in per_pair.batches:
             shares.update(zip(ids, s.shares_of(total), strict=True))
         shares.update((i, acc.share_of(total)) for i, acc in per_pair.items())
-    rows, others = [], []
-    for i, (ta, tb) in enumerate(pairs):
+    rows = _plain_rows(pairs, numeric, differs, figures, g, p) if plain else []
+    others: list[DiffRow] = []
+    for i, (ta, tb) in enumerate(pairs if not rows else ()):
         identical = ta.dtype == tb.dtype and i not in differs
         if not numeric[i]:
             either = floating(ta) or floating(tb)
@@ -287,8 +307,8 @@ def diff(
         # --top K picks among the tensors that differ; the identical ones are counted, not ranked
         shown=order(rows, sort, None) if top is None else order([r for r in rows if not r.identical], sort, top),
         others=tuple(others),
-        only_a=tuple(n for n in listed_a if in_b[n] not in listed_b),
-        only_b=tuple(n for n in listed_b if n not in named_in_b),
+        only_a=tuple(itertools.compress(listed_a, map(operator.not_, in_both))),
+        only_b=tuple(itertools.filterfalse(named_in_b.__contains__, listed_b)),
         mismatched=tuple(mismatched),
         metadata_differs=metadata_differs(a, b, selection),
         groups=groups,
@@ -298,12 +318,77 @@ def diff(
     )
 
 
+def _listed(tensors: Sequence[TensorInfo], selection: Selection) -> dict[str, TensorInfo]:
+    """The tensors the selection takes, by name."""
+    if not (selection.include or selection.exclude):
+        return dict(zip(map(_NAME, tensors), tensors, strict=True))
+    return {t.name: t for t in tensors if selection.selects(t.name)}
+
+
+def _comparable(
+    listed_a: dict[str, TensorInfo], listed_b: dict[str, TensorInfo], in_b: dict[str, str], names: list[str]
+) -> tuple[list[tuple[TensorInfo, TensorInfo]], list[bool]]:
+    """The pairs of `names` and whether each is numeric (both floating), where every pair can be compared by value
+    or bytes (the common case, tested at once: the same shapes, values on both sides); else none (`diff` then
+    sorts them one by one)."""
+    side_a = list(map(listed_a.__getitem__, names))
+    side_b = list(map(listed_b.__getitem__, map(in_b.__getitem__, names)))
+    dtypes = set(map(_ARRAY_DTYPE, side_a)) | set(map(_ARRAY_DTYPE, side_b))
+    if (
+        None in dtypes
+        or set(map(_SKIP, side_a)) | set(map(_SKIP, side_b)) != {None}
+        or type(None) in set(map(type, map(_LOCATION, side_a))) | set(map(type, map(_LOCATION, side_b)))
+        or list(map(_SHAPE, side_a)) != list(map(_SHAPE, side_b))
+    ):
+        return [], []
+    floats = {d: is_floating(d) for d in dtypes}
+    numeric = list(
+        map(
+            operator.and_,
+            map(floats.__getitem__, map(_ARRAY_DTYPE, side_a)),
+            map(floats.__getitem__, map(_ARRAY_DTYPE, side_b)),
+        )
+    )
+    return list(zip(side_a, side_b, strict=True)), numeric
+
+
+def _plain_rows(
+    pairs: list[tuple[TensorInfo, TensorInfo]],
+    numeric: list[bool],
+    differs: set[int],
+    figures: list[DiffFigures | None],
+    g: float,
+    p: float,
+) -> list[DiffRow]:
+    """`diff`'s rows where every pair is numeric and measured, and the shares are `(diff_norm / g) ** p` (the
+    common case, tested at once; else none, and `diff` makes them one by one)."""
+    if not pairs or not all(numeric) or None in figures:
+        return []
+    side_a, side_b = zip(*pairs, strict=True)
+    dtypes_a = list(map(_DTYPE, side_a))
+    same = map(operator.eq, dtypes_a, map(_DTYPE, side_b))
+    identical = map(operator.and_, same, map(operator.not_, map(differs.__contains__, range(len(pairs)))))
+    fields = map(_NAME, side_a), map(_SHAPE, side_a), dtypes_a, map(_DTYPE, side_b), map(_NBYTES, side_a), identical
+    heads = zip(*fields, strict=True)
+    shares = map(pow, map(operator.truediv, map(_DIFF_NORM, figures), itertools.repeat(g)), itertools.repeat(p))
+    rows = map(operator.add, map(operator.add, heads, figures), zip(shares))  # (head, *figures, share)
+    return list(itertools.starmap(DiffRow, rows))
+
+
+_NAME, _DTYPE, _SHAPE, _NBYTES, _SKIP, _LOCATION, _ARRAY_DTYPE, _STORED_DTYPE = map(
+    operator.attrgetter, ("name", "dtype", "shape", "nbytes", "skip", "location", "array_dtype", "stored_dtype")
+)
+_DIFF_NORM = operator.itemgetter(2)
+
+
 def _names_in_b(listed_a: dict[str, TensorInfo], maps: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """Each selected name of A and the name it has in B (`name_in_b`).
 
     Raises:
         UsageError: when the maps give two tensors of A one name in B.
     """
+    if not maps:
+        return dict(zip(listed_a, listed_a, strict=True))
     in_b: dict[str, str] = {}
     taken: dict[str, str] = {}
     for name in listed_a:

@@ -66,7 +66,7 @@ class NormKernel:
             and max(map(_NBYTES, ts)) < BLOCK * dtype.itemsize
         ):
             values = gathered(raw, starts, ts, dtype)
-            self.small.append(([u.name for u in ts], small_norms(values, _sizes(ts, dtype), self.p)))
+            self.small.append((list(map(_NAME, ts)), small_norms(values, _sizes(ts, dtype), self.p)))
             return
         i = 0
         while i < len(ts):
@@ -98,7 +98,11 @@ def _sizes(run: list[TensorInfo], dtype: np.dtype) -> np.ndarray:
     return np.fromiter(map(_NBYTES, run), np.int64, len(run)) // dtype.itemsize
 
 
-_NBYTES, _ARRAY_DTYPE, _STORED_DTYPE = map(operator.attrgetter, ("nbytes", "array_dtype", "stored_dtype"))
+_NBYTES, _ARRAY_DTYPE, _STORED_DTYPE, _NAME = map(
+    operator.attrgetter, ("nbytes", "array_dtype", "stored_dtype", "name")
+)
+_HEAD = operator.attrgetter("name", "dtype", "shape", "nbytes")
+_FIRST = operator.itemgetter(0)
 
 
 def _values(raw: np.ndarray, start: int, t: TensorInfo) -> np.ndarray:
@@ -169,7 +173,7 @@ def measure(
 ) -> Measured:
     """One pass over the selected tensors: each one's norm, max |x|, NaN and Inf counts, and share; `repeats`
     (`shared_once`) are measured and listed but left out of the total."""
-    progress.phase("measuring", sum(t.nbytes for t in selected))
+    progress.phase("measuring", sum(map(_NBYTES, selected)))
     results = passes.run_pass(ckpt, selected, lambda: NormKernel(p), jobs, progress=progress)
     batches = [batch for _, small in results for batch in small]
     return measured(selected, skipped, combined(p, selected, (accs for accs, _ in results), batches), p, repeats)
@@ -186,12 +190,20 @@ def measured(
     total leaves out `repeats`, each a repeat of a name that counts (`shared_once`)."""
     total = NormAccumulator(p)
     stats: dict[str, tuple[float, float, int, int]] = {}
+    batched = list(itertools.chain.from_iterable(names for names, _ in per_tensor.batches))
+    # every tensor batched, in order, none a repeat (the common case): their figures in a list, not a dict by name
+    in_order: list[tuple[float, float, int, int]] | None = (
+        [] if not repeats and batched == list(map(_NAME, selected)) else None
+    )
     for names, s in per_tensor.batches:
         if not repeats:
             s.merge_into(total)
         figures = zip(s.norms().tolist(), s.max_abs.tolist(), s.nan.tolist(), s.inf.tolist(), strict=True)
-        stats.update(zip(names, figures, strict=True))
-    if len(stats) < len(selected):  # (names are distinct: every one batched or not)
+        if in_order is not None:
+            in_order += figures
+        else:
+            stats.update(zip(names, figures, strict=True))
+    if in_order is None and len(stats) < len(selected):  # (names are distinct: every one batched or not)
         for t in selected:
             if t.name not in stats:
                 acc = per_tensor[t.name]
@@ -208,17 +220,19 @@ def measured(
     # exact sums, which are right also where the norms overflow float64, and for any order (the ratio's
     # rounding grows p times in its power: shares of 1e15-norms were 3% off)
     plain = 0 < g < math.inf and p in (1.0, 2.0)
+    if in_order is not None and not plain:  # (those rows take the figures by name)
+        stats = dict(zip(batched, in_order, strict=True))
     shares = (
         {}
         if plain
         else {n: x for names, s in per_tensor.batches for n, x in zip(names, s.shares_of(total), strict=True)}
     )
-    if plain:
-        rows = [
-            TensorRow(t.name, t.dtype, t.shape, t.nbytes, norm, max_abs, nan, inf, (norm / g) ** p)
-            for t in selected
-            for norm, max_abs, nan, inf in (stats[t.name],)
-        ]
+    if plain:  # (by maps, in C but for each row's __init__: a checkpoint may hold 10,000 tiny tensors)
+        figures = in_order if in_order is not None else list(map(stats.__getitem__, map(_NAME, selected)))
+        # (norm, max_abs, nan, inf)
+        heads = map(_HEAD, selected)  # (name, dtype, shape, nbytes)
+        shares = map(pow, map(operator.truediv, map(_FIRST, figures), itertools.repeat(g)), itertools.repeat(p))
+        rows = list(itertools.starmap(TensorRow, map(operator.add, map(operator.add, heads, figures), zip(shares))))
     else:
         rows = [
             TensorRow(

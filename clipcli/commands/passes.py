@@ -66,21 +66,26 @@ class PerTensor(dict):
     def __init__(self, batches: Sequence[tuple[list[Any], Any]] = ()):
         super().__init__()
         self.batches = batches
-        self._where = {key: (s, i) for keys, s in batches for i, key in enumerate(keys)}
+        self._found: dict[Any, tuple[Any, int]] | None = None  # where each batched key is, once asked for
 
     def __missing__(self, key: Any) -> Any:
-        s, i = self._where[key]
+        s, i = self._where()[key]
         acc = self[key] = s.accumulator(i)
         return acc
+
+    def _where(self) -> dict[Any, tuple[Any, int]]:
+        if self._found is None:
+            self._found = {key: (s, i) for keys, s in self.batches for i, key in enumerate(keys)}
+        return self._found
 
     @property
     def batched_count(self) -> int:
         """How many keys were measured among small tensors."""
-        return len(self._where)
+        return sum(len(keys) for keys, _ in self.batches)
 
     def batched(self, key: Any) -> bool:
         """Whether `key` was measured among small tensors (its accumulator made when asked for)."""
-        return key in self._where
+        return key in self._where()
 
 
 def gathered(raw: np.ndarray, starts: list[int], tensors: list[TensorInfo], dtype: np.dtype) -> np.ndarray:

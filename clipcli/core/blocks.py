@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from clipcli.core.exact import POWER_OF_TWO_ORDER
@@ -27,36 +27,49 @@ PIECE = 16 * BLOCK
 _sum = np.add.reduce
 
 
-# Floating dtypes that NumPy does not know; every one of them widens exactly to float32.
-_ML_FLOATS = frozenset(
-    np.dtype(getattr(ml_dtypes, name))
-    for name in (
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e4m3b11fnuz",
-        "float8_e4m3",
-        "float8_e3m4",
-        "float8_e8m0fnu",
-        "float6_e2m3fn",
-        "float6_e3m2fn",
-        "float4_e2m1fn",
-    )
-    if hasattr(ml_dtypes, name)
-)
-
-
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-
-# The magnitude bits (bits & 0x7FFF) of a 16-bit float from which it is inf or NaN.
+# The magnitude bits (bits & 0x7FFF) of a 16-bit float from which it is inf or NaN (bfloat16's: `_ml_types`).
 INF16 = 0x7C00  # float16's inf; its NaNs lie above
-_NONFINITE16 = {BFLOAT16: 0x7F80, np.dtype(np.float16): INF16}
+_NONFINITE16 = {np.dtype(np.float16): INF16}
 
 
-# What `_fused.square_sums` calls the dtypes it reads.
-_FUSED_KINDS = {np.dtype(np.float32): 0, BFLOAT16: 1, np.dtype(np.float16): 2}
+# What `_fused.square_sums` calls the dtypes it reads (bfloat16: `_ml_types`).
+_FUSED_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 2}
+
+# Dtypes NumPy does not know itself are numbered from here (NPY_USERDEF): ml_dtypes' among them.
+_USER_TYPES = 256
+
+
+@functools.cache
+def _ml_types() -> tuple[frozenset[np.dtype], np.dtype]:
+    """The floating dtypes that NumPy does not know (ml_dtypes'; every one of them widens exactly to float32), and
+    bfloat16 among them, with its entries in the tables above.
+
+    ml_dtypes is imported here, when a dtype NumPy does not know is first looked at: an array can be of one of
+    its types only once it is imported, and a run over NumPy's own types need not (5 ms of its start).
+    """
+    import ml_dtypes
+
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+    _NONFINITE16[bfloat16] = 0x7F80
+    _FUSED_KINDS[bfloat16] = 1
+    names = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz"]
+    names += ["float8_e4m3", "float8_e3m4", "float8_e8m0fnu", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn"]
+    return frozenset(np.dtype(getattr(ml_dtypes, name)) for name in names if hasattr(ml_dtypes, name)), bfloat16
+
+
+def _is_ml_float(dtype: np.dtype) -> bool:
+    """Whether `dtype` is one of ml_dtypes' floating types."""
+    return dtype.num >= _USER_TYPES and dtype in _ml_types()[0]
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    return dtype.num >= _USER_TYPES and dtype == _ml_types()[1]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BFLOAT16":  # (`_ml_types`: ml_dtypes imported where it is asked for)
+        return _ml_types()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Power sums of a block are rescaled by 2**-e (exactly) when |x|**p could leave float64's range.
@@ -109,7 +122,7 @@ class BlockParts:
 def is_floating(dtype: np.dtype) -> bool:
     """Whether `dtype` is a real floating type, NumPy's own or one of ml_dtypes'."""
     dtype = np.dtype(dtype)
-    return dtype.kind == "f" or dtype in _ML_FLOATS
+    return dtype.kind == "f" or _is_ml_float(dtype)
 
 
 def _is_inexact(dtype: np.dtype) -> bool:
@@ -163,10 +176,10 @@ def widen(x: np.ndarray, slot: str | None = "") -> tuple[np.ndarray | None, np.n
         float16_scaled_down(x.view(np.uint16), wide)
         wide *= 2.0**112
         return None, wide
-    if x.dtype == BFLOAT16:  # ml_dtypes widens bfloat16 to float64 fast (float16 is NumPy's: slow)
+    if _is_bfloat16(x.dtype):  # ml_dtypes widens bfloat16 to float64 fast (float16 is NumPy's: slow)
         np.copyto(wide, x)
         return None, wide
-    narrow = x.astype(np.float32) if x.dtype in _ML_FLOATS or x.dtype == np.float16 else x
+    narrow = x.astype(np.float32) if _is_ml_float(x.dtype) or x.dtype == np.float16 else x
     np.copyto(wide, narrow)
     return narrow, wide
 
@@ -218,6 +231,7 @@ def square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
             np.copyto(w, piece.reshape(-1, BLOCK))
             row_dots(w, w, out=sums[start // BLOCK : (start + piece.size) // BLOCK])
         return sums, 0, peak
+    bfloat16 = _is_bfloat16(x.dtype)  # (and so its entry in _NONFINITE16 made)
     if x.dtype not in _NONFINITE16:
         return None
     top = 0
@@ -229,7 +243,7 @@ def square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
         np.bitwise_and(piece, 0x7FFF, out=m)
         top = max(top, int(m.max()))
         w = wide[: piece.size].reshape(-1, BLOCK)
-        if x.dtype == BFLOAT16:  # ml_dtypes widens bfloat16 to float64 fast, and exactly
+        if bfloat16:  # ml_dtypes widens bfloat16 to float64 fast, and exactly
             np.copyto(w, x[start : start + PIECE].reshape(-1, BLOCK))
         else:  # float16's magnitude bits, moved into float32 position, are the float32 |x| * 2**-112
             b = bits[: piece.size]  # exactly (subnormals included): no slow float16 arithmetic
@@ -238,12 +252,16 @@ def square_sums(x: np.ndarray) -> tuple[np.ndarray, int, float] | None:
         row_dots(w, w, out=sums[start // BLOCK : (start + piece.size) // BLOCK])
     if top >= _NONFINITE16[x.dtype]:
         return None
-    return sums, 0 if x.dtype == BFLOAT16 else 224, float(np.array(top, np.uint16).view(x.dtype))
+    return sums, 0 if bfloat16 else 224, float(np.array(top, np.uint16).view(x.dtype))
 
 
 def fused_kind(dtype: np.dtype) -> int | None:
     """The kind `_fused` reads values of `dtype` as; None for other dtypes, or when `_fused` was not built."""
-    return None if _fused is None else _FUSED_KINDS.get(dtype)
+    if _fused is None:
+        return None
+    if dtype.num >= _USER_TYPES:
+        _ml_types()  # (bfloat16's entry)
+    return _FUSED_KINDS.get(dtype)
 
 
 def fused_step(piece: int, *arrays: np.ndarray) -> int:

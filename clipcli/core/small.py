@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clipcli.core.blocks import BLOCK, segment_power_sums, widen
+from clipcli.core.blocks import BLOCK, PIECE, segment_power_sums, widen
 from clipcli.core.exact import ExactSum, cosine_of, int_quotient, int_root, int_term, ldexp, share, sqrt_quotients
 from clipcli.core.norms import NormAccumulator, parse_ord
 
@@ -107,22 +107,33 @@ def small_norms(x: np.ndarray, sizes: Sequence[int], ord: Any = 2) -> SmallNorms
     max_abs, sums = np.zeros(n), np.zeros(n)
     nan, inf, exps = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     present = np.flatnonzero(lengths)
-    if present.size:
-        starts = (np.cumsum(lengths) - lengths)[present]
+    ends = np.cumsum(lengths)
+    present_ends, flat, unsure = ends[present], x.reshape(-1), []
+    # In pieces of whole tensors of at most PIECE values (or one), whose float64 values stay in the core's cache:
+    # a segment's figures do not depend on its neighbours, so the same bits as all at once.
+    first = 0
+    while first < present.size:
+        i = present[first]
+        lo = ends[i] - lengths[i]
+        last = max(first + 1, int(np.searchsorted(present_ends, lo + PIECE, "right")))
+        ids = present[first:last]
+        starts = ends[ids] - lengths[ids] - lo
         # Signalling NaNs are counted as NaN all the same; the sums of segments holding NaN or Inf (which may
         # overflow) are not used.
         with np.errstate(invalid="ignore", over="ignore"):
-            w = widen(x.reshape(-1))[1]
+            w = widen(flat[lo : ends[ids[-1]]])[1]
             m = np.maximum.reduceat(np.abs(w), starts)
             finite = np.isfinite(m)
-            sums[present], exps[present] = segment_power_sums(w, starts, np.where(finite, m, 1.0), p)
-        max_abs[present] = m
-        for i in present[~finite].tolist():  # NaN or Inf: counted one by one (rare)
-            acc = NormAccumulator(p)
-            a = int(np.sum(lengths[:i]))
-            with np.errstate(invalid="ignore"):
-                acc.add_rows(widen(x.reshape(-1)[a : a + lengths[i]])[1].reshape(1, -1))
-            max_abs[i], nan[i], inf[i] = acc.max_abs, acc.nan, acc.inf
+            sums[ids], exps[ids] = segment_power_sums(w, starts, np.where(finite, m, 1.0), p)
+        max_abs[ids] = m
+        unsure += ids[~finite].tolist()
+        first = last
+    for i in unsure:  # NaN or Inf: counted one by one (rare)
+        acc = NormAccumulator(p)
+        a = int(np.sum(lengths[:i]))
+        with np.errstate(invalid="ignore"):
+            acc.add_rows(widen(flat[a : a + lengths[i]])[1].reshape(1, -1))
+        max_abs[i], nan[i], inf[i] = acc.max_abs, acc.nan, acc.inf
     return SmallNorms(p, lengths, max_abs, nan, inf, sums, exps)
 
 
@@ -261,12 +272,50 @@ def small_diffs(a: np.ndarray, b: np.ndarray, sizes: Sequence[int], ord: Any = 2
     The same bits as adding each pair to a `DiffAccumulator` of its own, in a few NumPy passes for all of
     them: two LoRA adapters of 12,000 tiny tensors compare at the speed of their bytes, not of 12,000 objects.
     """
-    from clipcli.core.differences import DiffAccumulator, product_scales
-
     p = parse_ord(ord)
     lengths = np.asarray(sizes, np.int64)
     if a.size != b.size or lengths.sum() != a.size or (lengths >= BLOCK).any() or (lengths <= 0).any():
         raise ValueError(f"small_diffs takes pairs of equal size, each of 1 to {BLOCK - 1} values")
+    # In pieces of whole pairs of at most PIECE values a side (or one), whose float64 values stay in the core's
+    # cache: a pair's figures do not depend on its neighbours, so the same bits as all at once.
+    ends = np.cumsum(lengths)
+    pieces, first = [], 0
+    while first < lengths.size:
+        lo = ends[first] - lengths[first]
+        last = max(first + 1, int(np.searchsorted(ends, lo + PIECE, "right")))
+        pieces.append(
+            _piece_diffs(a.reshape(-1)[lo : ends[last - 1]], b.reshape(-1)[lo : ends[last - 1]], lengths[first:last], p)
+        )
+        first = last
+    if len(pieces) == 1:
+        return pieces[0]
+    return _joined(pieces)
+
+
+def _joined(pieces: list[SmallDiffs]) -> SmallDiffs:
+    """The SmallDiffs of pairs measured in pieces, one after another."""
+
+    def norms(side: str) -> SmallNorms:
+        parts = [getattr(s, side) for s in pieces]
+        fields = ("size", "max_abs", "nan", "inf", "sums", "exps")
+        return SmallNorms(parts[0].p, *(np.concatenate([getattr(n, f) for n in parts]) for f in fields))
+
+    p = pieces[0].p
+    a, b = norms("a"), norms("b")
+    a2, b2 = (a, b) if p == 2.0 else (norms("a2"), norms("b2"))
+    fields = ("diff", "diff_exps", "dot", "dot_exps", "max_abs_diff", "changed")
+    arrays = (np.concatenate([getattr(s, f) for s in pieces]) for f in fields)
+    general, offset = {}, 0
+    for s in pieces:
+        general.update((j + offset, acc) for j, acc in s.general.items())
+        offset += len(s)
+    return SmallDiffs(p, a, b, a2, b2, *arrays, general)
+
+
+def _piece_diffs(a: np.ndarray, b: np.ndarray, lengths: np.ndarray, p: float) -> SmallDiffs:
+    """`small_diffs` of one piece."""
+    from clipcli.core.differences import DiffAccumulator, product_scales
+
     starts = np.cumsum(lengths) - lengths
     # Signalling NaNs are NaN all the same; pairs holding NaN or inf, or whose differences overflow (float64
     # values), take the general path: their sums here are not used.

@@ -962,6 +962,50 @@ def test_small_tensors_fall_into_the_same_tasks_found_per_run_as_per_tensor(layo
         assert _engine._tasks(_AnyReader(), tensors, max_bytes, {}, 1) == runs
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 16, 48, 64, 300]),
+            st.sampled_from([0, 0, 1, 4096, 4097]),
+            st.sampled_from([0, 0, 1, 4096, 4097]),
+        ),
+        max_size=40,
+    ),
+    max_bytes=st.sampled_from([1, 16, 64, 128, 1 << 20]),
+    other=st.sampled_from(["", "file", "dtype", "big", "back", "fortran"]),
+    side=st.sampled_from([0, 1]),
+)
+def test_small_pairs_fall_into_the_same_tasks_found_per_run_as_per_pair(layout, max_bytes, other, side):
+    # as for one checkpoint's small tensors: the runs of small pairs (a diff of two 12,000-tensor LoRA adapters)
+    # are found per run where every pair is small and in order, the same tasks as the loop over every pair
+    from clipcli.checkpoint import TensorInfo
+    from clipcli.checkpoint import pairs as _pairs
+    from clipcli.checkpoint.engine import SMALL_TENSOR
+    from clipcli.checkpoint.tensor import Span
+
+    sides: list[list[TensorInfo]] = [[], []]
+    ends = [0, 0]
+    for i, (nbytes, *gaps) in enumerate(layout):
+        for k in (0, 1):
+            size, gap, file, dtype, fortran = nbytes, gaps[k], "a", np.dtype(np.uint8), False
+            if i == len(layout) // 2 and other and k == side:  # one unlike the rest, on one side
+                size = SMALL_TENSOR + 1 if other == "big" else size
+                gap = -min(ends[k], 5) if other == "back" else gap
+                file = "b" if other == "file" else file
+                dtype = None if other == "dtype" else dtype
+                fortran = other == "fortran"
+            location = Span(ends[k] + gap)
+            sides[k].append(TensorInfo(f"t{i}", "uint8", (size, 2), 2 * size, file, dtype, fortran, location))
+            ends[k] += gap + 2 * size
+    pairs = list(zip(*sides, strict=True))
+    readers = (_AnyReader(), _AnyReader())
+    tasks = _pairs._pair_tasks(readers, pairs, max_bytes, 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_pairs, "_small_pair_runs", lambda *args: None)
+        assert _pairs._pair_tasks(readers, pairs, max_bytes, 1) == tasks
+
+
 class _AnyReader:
     def random_access(self, t):
         return True
@@ -1170,7 +1214,7 @@ _JSON_VALUES = st.one_of(
 
 @settings(max_examples=500, deadline=None)
 @given(
-    dtype=st.one_of(st.sampled_from(sorted(_safetensors.DTYPES)), _JSON_VALUES, st.lists(st.integers(), max_size=1)),
+    dtype=st.one_of(st.sampled_from(sorted(_safetensors.CODES)), _JSON_VALUES, st.lists(st.integers(), max_size=1)),
     shape=st.one_of(st.lists(st.integers(-1, 6), max_size=3), st.lists(_JSON_VALUES, max_size=2), _JSON_VALUES),
     offsets=st.one_of(st.lists(st.integers(-1, 400), min_size=1, max_size=3), st.lists(_JSON_VALUES, max_size=3)),
     keys=st.sets(st.sampled_from(["dtype", "shape", "data_offsets"])),
@@ -1178,7 +1222,7 @@ _JSON_VALUES = st.one_of(
     fitting=st.booleans(),
 )
 def test_an_entry_is_taken_or_refused_as_the_full_checks_say(dtype, shape, offsets, keys, extra, fitting):
-    d = _safetensors.DTYPES.get(dtype) if isinstance(dtype, str) else None
+    d = _safetensors.dtype_by_code(dtype) if isinstance(dtype, str) else None
     if fitting and d is not None and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape):
         bits = int(np.prod(shape, dtype=object)) * d.bits  # the offsets the shape needs (a well-formed entry)
         offsets = [offsets[0], offsets[0] + bits // 8] if offsets and type(offsets[0]) is int else offsets
@@ -1254,3 +1298,23 @@ def test_shard_directories_skip_folders_named_like_shards_and_name_broken_links(
     with pytest.raises(MissingFileError, match="not a file \\(a broken link\\?\\)") as e:
         open_checkpoint(tmp_path)
     assert "gone.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # one tensor's offsets split over the text after two names (JSON it is not): not read as two tensors
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},:[4,"b":{"dtype":"F32","shape":[1],"data_offsets"8]}}',
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},:[4,8]},"b":{"dtype":"F32","shape":[1],"data_offsets""}',
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[00,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}',
+    ],
+)
+def test_a_header_split_at_its_quotes_is_taken_only_where_it_is_json(tmp_path, text):
+    # found reading headers by splitting them at their quotes (`_compact`, timing 10,000 tiny tensors): text that is
+    # laid out like a tensor's objects but is no JSON is refused as the checking parse refuses it
+    raw = text.encode()
+    assert _safetensors._compact(raw, text, 8 + len(raw)) is None
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(MalformedError, match="not valid UTF-8 JSON"):
+        open_checkpoint(path)

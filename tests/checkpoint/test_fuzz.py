@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 import tracemalloc
@@ -162,7 +163,9 @@ def header_mutations(draw, data: bytes) -> bytes:
             header["__metadata__"] = draw(json_values)
         else:
             header[draw(st.text(max_size=5))] = draw(json_values)
-    raw = json.dumps(header).encode()
+    # as Python writes it by default, or as the reference writer does (no spaces, not ASCII-escaped: `_compact`)
+    compact = draw(st.booleans())
+    raw = (json.dumps(header, separators=(",", ":"), ensure_ascii=False) if compact else json.dumps(header)).encode()
     style = draw(st.sampled_from(["plain", "deep", "duplicate", "padded", "bad-length", "minus-zero"]))
     if style == "deep":
         depth = draw(st.integers(1, 100_000))
@@ -271,20 +274,58 @@ def _repeats_a_key(text: str) -> bool:
 
 @FUZZ
 @given(data=st.data(), base=st.sampled_from(base_safetensors()), compact=st.booleans())
-def test_fuzz_safetensors_header_plain_parse_reads_as_the_checked_parse(tmp_path, data, base, compact):
-    """A header parsed into plain dicts (`_plain`, taken when no key repeats) gives the tensors, metadata and
-    errors that the parse checking each object as it is made gives."""
+def test_fuzz_safetensors_header_compact_parse_reads_as_the_checked_parse(tmp_path, data, base, compact):
+    """A header read by splitting it at its quotes (`_compact`, taken where the reference writer's layout holds
+    and no key repeats) gives the tensors, metadata and errors that the parse checking each object as it is made
+    gives."""
     content = data.draw(compact_headers() if compact else header_mutations(base))
     path = tmp_path / "fuzz.safetensors"
     path.write_bytes(content)
     ours = _outcome(path)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(safetensors_format, "_plain", lambda text, ints: None)
+        patch.setattr(safetensors_format, "_compact", lambda raw, text, base: None)
         assert _outcome(path) == ours
-    if compact:  # every object of these is of the plain form: it is taken exactly when no key repeats
+    if compact:  # every object of these is laid out so: it is taken exactly when it is well formed, no key twice
         (n,) = struct.unpack("<Q", content[:8])
-        text = content[8 : 8 + n].decode()
-        assert (safetensors_format._plain(text, {}) is None) == _repeats_a_key(text), text
+        raw = content[8 : 8 + n]
+        taken = safetensors_format._compact(raw, raw.decode(), 8 + n) is not None
+        assert taken == (isinstance(ours, tuple) and not _repeats_a_key(raw.decode())), raw
+
+
+@FUZZ
+@given(
+    tensors=st.lists(
+        st.tuples(
+            st.text(max_size=6) | st.sampled_from(["__metadata__", "a", 'q"', "{}:[],", "dtype"]),
+            st.sampled_from(["F32", "BF16", "U8", "BOOL", "F8_E4M3", "F4", "F6_E2M3", "C64", "F64"]),
+            st.lists(st.integers(1, 3), max_size=3),
+        ),
+        min_size=1,
+        max_size=6,
+        unique_by=lambda t: t[0],
+    ),
+    metadata=st.none() | st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3),
+    padding=st.integers(0, 9),
+)
+def test_fuzz_safetensors_reference_layout_reads_as_the_checked_parse(tmp_path, tensors, metadata, padding):
+    """Headers as the reference writer lays them out, of any names (quotes, braces, colons, control characters,
+    non-ASCII), dtypes, shapes and metadata: `_compact` reads them as the checked parse does, and takes every one
+    whose strings need no escape."""
+    header: dict = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for name, code, shape in tensors:
+        nbytes = -(-math.prod(shape) * safetensors_format.dtype_by_code(code).bits // 8)
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode() + b" " * padding
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    ours = _outcome(path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(safetensors_format, "_compact", lambda raw, text, base: None)
+        assert _outcome(path) == ours
+    plain = b"\\" not in raw and isinstance(ours, tuple)
+    assert (safetensors_format._compact(raw, raw.decode(), 8 + len(raw)) is not None) == plain, raw
 
 
 @FUZZ

@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 import clipcli
 from clipcli import core
 from clipcli.core import DiffStats, diff
+from clipcli.core import small as core_small
 from clipcli.core.blocks import BLOCK, is_floating
 from clipcli.core.differences import DiffAccumulator
 from clipcli.core.exact import int_quotient, int_root, int_term, ldexp, sqrt_quotients
@@ -603,10 +604,13 @@ def small_pairs(seed: int, da, db, specials: bool, n: int = 40):
 @pytest.mark.parametrize("p", [2, 1, 3, np.inf])
 @pytest.mark.parametrize(("da", "db"), [(F32, F32), (F64, F64), (BF16, BF16), (F16, F16), (F32, BF16)])
 @pytest.mark.parametrize("specials", [False, True])
-def test_small_pairs_measured_together_give_each_pairs_own_bits(p, da, db, specials):
+@pytest.mark.parametrize("piece", [None, 700])  # the values a piece takes (found timing: kept in the cache)
+def test_small_pairs_measured_together_give_each_pairs_own_bits(p, da, db, specials, piece, monkeypatch):
     # found measuring many tiny pairs: a DiffAccumulator each cost too much; `small_diffs` measures a run of them
     # in a few NumPy passes, and must give every figure of each pair's own accumulator, bit for bit
     a, b, sizes = small_pairs(hash((p, str(da), str(db), specials)) % 2**32, da, db, specials)
+    if piece is not None:
+        monkeypatch.setattr(core_small, "PIECE", piece)
     s = small_diffs(a, b, sizes, p)
     alone, total = [], DiffAccumulator(p)
     for start, n in zip(np.cumsum(sizes) - sizes, sizes, strict=True):

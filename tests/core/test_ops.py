@@ -20,6 +20,7 @@ import clipcli
 from clipcli import core
 from clipcli.core import axes as core_axes
 from clipcli.core import clip_by_global_norm, clip_by_norm, clip_by_value, global_norm, norm
+from clipcli.core import small as core_small
 from clipcli.core.axes import axis_norm, axis_power_sums, row_group
 from clipcli.core.blocks import BLOCK, add_power_sums, power_sums_root, widen
 from clipcli.core.norms import NormAccumulator
@@ -907,7 +908,11 @@ def test_small_norms_are_the_bits_of_an_accumulator_per_tensor(data, dtype, ord_
     for _ in range(data.draw(st.integers(0, 3))):
         if x.size:
             x[rng.integers(x.size)] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
-    small = small_norms(x, sizes, ord_)
+    piece = data.draw(st.sampled_from([None, 1, 37]))  # values a piece takes (found timing: in the cache)
+    with pytest.MonkeyPatch.context() as patch:
+        if piece is not None:
+            patch.setattr(core_small, "PIECE", piece)
+        small = small_norms(x, sizes, ord_)
     accs, total, start = [], NormAccumulator(ord_), 0
     for n in sizes:
         acc = NormAccumulator(ord_)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
+import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import chain
+from itertools import repeat, starmap
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from clipcli.checkpoint.atomic import write_data
@@ -22,9 +23,9 @@ from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
 from clipcli.errors import FileTypeError, MalformedError, UnsupportedError
 
 MAX_HEADER = 100_000_000
-# Headers up to this length are parsed into plain dicts (`_plain`: fast, about 250 bytes a tensor more at the peak);
-# longer ones by `_object`, a few objects a tensor (a header may list a million tensors)
-PLAIN_HEADER = 4 << 20
+# Headers up to this length are read by `_compact` where they can be (fast; its parts of the text cost about 800
+# bytes a tensor at the peak, 400 more than `_object`'s); longer ones by `_object` (a header may list a million)
+COMPACT_HEADER = 4 << 20
 SAFETENSORS = "a safetensors file"
 _JSON_SPACE = b" \t\r\n"
 
@@ -50,15 +51,9 @@ def _dtypes() -> dict[str, Dtype]:
         ("U64", np.dtype(np.uint64)),
         ("I64", np.dtype(np.int64)),
         ("F16", np.dtype(np.float16)),
-        ("BF16", np.dtype(ml_dtypes.bfloat16)),
         ("F32", np.dtype(np.float32)),
         ("F64", np.dtype(np.float64)),
         ("C64", np.dtype(np.complex64)),
-        ("F8_E4M3", np.dtype(ml_dtypes.float8_e4m3fn)),
-        ("F8_E5M2", np.dtype(ml_dtypes.float8_e5m2)),
-        ("F8_E4M3FNUZ", np.dtype(ml_dtypes.float8_e4m3fnuz)),
-        ("F8_E5M2FNUZ", np.dtype(ml_dtypes.float8_e5m2fnuz)),
-        ("F8_E8M0", np.dtype(ml_dtypes.float8_e8m0fnu)),  # the scale type: read as a PyTorch file's is
     ]
     out = {code: Dtype(code, dt.name, dt.itemsize * 8, dt) for code, dt in table}
     # Newer types with no arithmetic here (packed sub-byte floats): carried as bytes.
@@ -71,8 +66,37 @@ def _dtypes() -> dict[str, Dtype]:
     return out
 
 
-DTYPES = _dtypes()
+# ml_dtypes' types, by their names there: added to DTYPES (and ml_dtypes imported) when a header first names one
+_ML_CODES = {
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",  # the scale type: read as a PyTorch file's is
+}
+DTYPES = _dtypes()  # (those of ml_dtypes once `dtype_by_code` has added them)
 BY_ARRAY_DTYPE = {d.array: d for d in DTYPES.values() if d.array is not None}
+CODES = frozenset(DTYPES) | frozenset(_ML_CODES)  # every code a header may name
+
+
+def dtype_by_code(code: str) -> Dtype | None:
+    """The Dtype a header's code names, or None. ml_dtypes is imported (and its types added to DTYPES and
+    BY_ARRAY_DTYPE) when a header first names one of its types: a file of NumPy's own types need not (5 ms)."""
+    d = DTYPES.get(code)
+    if d is None and code in _ML_CODES:
+        _add_ml_dtypes()
+        d = DTYPES.get(code)
+    return d
+
+
+@functools.cache
+def _add_ml_dtypes() -> None:
+    import ml_dtypes
+
+    for code, name in _ML_CODES.items():
+        array = np.dtype(getattr(ml_dtypes, name))
+        DTYPES[code] = BY_ARRAY_DTYPE[array] = Dtype(code, array.name, array.itemsize * 8, array)
 
 
 # One tensor of a header: (start, nbytes, name, dtype, shape), its data at `start` (absolute) for `nbytes`
@@ -103,7 +127,7 @@ def _object(pairs: list[tuple[str, Any]]) -> Any:
     if len(pairs) == 3:
         (k1, code), (k2, shape), (k3, offsets) = pairs
         if k1 == "dtype" and k2 == "shape" and k3 == "data_offsets" and type(shape) is list and type(offsets) is list:
-            d = DTYPES.get(code) if type(code) is str else None
+            d = dtype_by_code(code) if type(code) is str else None
             if d is not None and len(offsets) == 2:
                 begin, end = offsets
                 if (
@@ -133,9 +157,9 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
         FileTypeError: when the file is evidently something else.
         MalformedError: when a reference rule is broken (naming its `defect` kind where the data's layout is).
     """
-    n, metadata, header, plain = _parse(path, f, size)
+    n, metadata, header = _parse(path, f, size, compact=True)
     base = 8 + n
-    entries = _plain_entries(header, base) if plain else None
+    entries = header if type(header) is list else None  # `_compact`'s
     if entries is None:
         entries = [  # (`_entry`, its common case written out: a header may list a million)
             (base + info.begin, info.end - info.begin, name, info.dtype, info.shape)
@@ -160,7 +184,7 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     with store.open(path) as f, gc_paused():
         size = size_of(f)
         try:
-            n, _, header, _ = _parse(path, f, size)
+            n, _, header = _parse(path, f, size)
         except FileTypeError:
             raise
         except (MalformedError, UnsupportedError) as e:  # no header to go on with
@@ -180,9 +204,12 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
     return out + [Finding.of(d) for d in _layout_defects(path, entries, 8 + n, size)]
 
 
-def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dict[str, Any], bool]:
+def _parse(
+    path: Path, f: BinaryIO, size: int, compact: bool = False
+) -> tuple[int, dict[str, str], dict[str, Any] | list[Entry]]:
     """The header's length, metadata and tensors' objects (unchecked), by the reference rules of the length
-    prefix, the JSON and `__metadata__`, and whether `_plain` parsed them (into plain dicts)."""
+    prefix, the JSON and `__metadata__`; with `compact`, the tensors' entries instead where `_compact` reads
+    them (well formed, in the header's order)."""
     prefix = f.read(8)
     if len(prefix) < 8:
         raise _not_safetensors(path, f, f"only {size} bytes, too short for a safetensors header", "truncated")
@@ -199,11 +226,11 @@ def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dic
         # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
         ints = {"parse_int": _json_int} if b"-0" in raw else {}
         text = raw.decode("utf-8")
+        found = _compact(raw, text, 8 + n) if compact and n <= COMPACT_HEADER else None
+        if found is not None:
+            return n, *found
         del raw  # (up to 100 MB: not held beside its text and what it parses into)
-        header = _plain(text, ints) if n <= PLAIN_HEADER else None
-        plain = header is not None
-        if header is None:
-            header = json.loads(text, object_pairs_hook=_object, **ints)
+        header = json.loads(text, object_pairs_hook=_object, **ints)
         del text
         if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
             header = header.as_json()
@@ -222,89 +249,89 @@ def _parse(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, str], dic
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise MalformedError("__metadata__ must map strings to strings", path)
-    return n, metadata, header, plain
+    return n, metadata, header
 
 
-_FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
-_DTYPE, _SHAPE, _OFFSETS = map(operator.itemgetter, ("dtype", "shape", "data_offsets"))
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_BITS = operator.attrgetter("bits")
+_NUMBER = "(?:0|[1-9][0-9]*)"  # JSON's integers without a sign
+_OFFSET = "(?:0|[1-9][0-9]{0,17})"  # and below 10**18, so below MAX_COUNT, also times 8
+_PAIRS = re.compile(rf"(?::\[{_OFFSET},{_OFFSET}\]\}},)*")  # every tensor's data offsets, as a header has them
+_SHAPE = re.compile(rf":\[(?:{_NUMBER}(?:,{_NUMBER})*)?\],")  # the text between "shape" and "data_offsets"
+_ESCAPED = bytes(range(32)) + b"\\"  # what a JSON string holds only escaped, and the escapes
+_HEAD = operator.itemgetter(slice(2))
+_BITS, _NAME, _ARRAY = map(operator.attrgetter, ("bits", "name", "array"))
 
 
-def _plain(text: str, ints: dict[str, Any]) -> dict[str, Any] | None:
-    """The header parsed by Python's JSON parser alone (in C: `_object` is a call per tensor), when its form is
-    the common one: each entry but `__metadata__` an object of the three keys of a tensor's, a string dtype,
-    and no string elsewhere but in the metadata's keys and values. None for any other text, which the parse
-    with `_object` then reads, refuses or names the duplicate key of.
+def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], list[Entry]] | None:
+    """The metadata and entries (their data from `base`) of a header (`raw`, decoded as `text`) laid out as the
+    reference writer lays it out: no space but the padding at its end, `__metadata__` (of strings) first if at
+    all, each tensor's object of its three keys in their order, no escape in any string, no key twice; every
+    entry well formed as `_object` checks one. None for any other header, which `_object`'s parse then reads,
+    refuses or names the duplicate key of.
 
-    A JSON object's repeated key leaves one of its pairs out of the dict, and every pair holds a string, its
-    key: with no backslash in the text, every `"` opens or closes a string, so the text holds no repeated key
-    when its count of `"` is twice the strings the dicts hold.
+    Found in a few passes over all of them, not a call per tensor (a header may list 10,000 tiny ones): with no
+    escape, every `"` opens or closes a string, so splitting the text at them gives the strings at odd places
+    and the text between them at even ones, each tensor's ten of them at fixed places.
     """
-    if "\\" in text:
+    if len(raw.translate(None, _ESCAPED)) != len(raw):
         return None
-    try:
-        header = json.loads(text, **ints)
-    except (ValueError, RecursionError):
+    parts = text.rstrip(" ").split('"')
+    metadata: dict[str, str] = {}
+    first = 1  # the place of the first tensor's name
+    if parts[0] != "{" or len(parts) < 11:
         return None
-    if type(header) is not dict:
-        return None
-    strings = 5 * len(header)  # per tensor: its name, three keys and the dtype
-    if "__metadata__" in header:
-        metadata = header["__metadata__"]
-        if metadata is not None and not (
-            type(metadata) is dict and set(map(type, metadata)) | set(map(type, metadata.values())) <= {str}
-        ):
+    if parts[1] == "__metadata__":
+        if parts[2] in (":{},", ":null,"):
+            first = 3
+        elif parts[2] == ":{":  # pairs of strings: key, ":", value, "," (after the last "},")
+            i = 4
+            while i + 2 < len(parts) and parts[i] == ":" and parts[i + 2] == ",":
+                i += 4
+            if i + 2 >= len(parts) or parts[i] != ":" or parts[i + 2] != "},":
+                return None
+            metadata = dict(zip(parts[3 : i + 1 : 4], parts[5 : i + 3 : 4], strict=True))
+            if len(metadata) != i // 4:  # a key twice
+                return None
+            first = i + 3
+        else:
             return None
-        strings += 1 + 2 * len(metadata or ()) - 5
-    if text.count('"') != 2 * strings:
+    count, rest = divmod(len(parts) - first, 10)
+    if rest or not count:
         return None
-    infos = [v for k, v in header.items() if k != "__metadata__"]
-    if set(map(type, infos)) - {dict} or set(map(len, infos)) - {3}:
+    fixed = [(1, ":{"), (2, "dtype"), (3, ":"), (5, ","), (6, "shape"), (8, "data_offsets")]
+    if any(set(parts[first + i :: 10]) != {want} for i, want in fixed):
         return None
-    try:
-        codes = list(map(_DTYPE, infos))
-        list(map(_FIELDS, infos))  # the other two keys
-    except KeyError:
+    names, codes, shapes, offsets = (parts[first + i :: 10] for i in (0, 4, 7, 9))
+    if not offsets[-1].endswith("]}}"):
         return None
-    if set(map(type, codes)) - {str}:
+    offsets[-1] = offsets[-1][:-1] + ","  # (as the others end)
+    # Every one starts ":[" and, joined, they are units ":[begin,end]},": then each is one unit (the joined text
+    # holds as many ":[" as units, one at each one's start)
+    pairs = "".join(offsets)
+    if set(map(_HEAD, offsets)) != {":["} or _PAIRS.fullmatch(pairs) is None:
         return None
-    return header
-
-
-def _plain_entries(header: dict[str, Any], base: int) -> list[Entry] | None:
-    """The entries of a header that `_plain` parsed (its data from `base`), checked in one pass over all of them
-    as `_object` checks one; None when any is not of that common case (`_checked_entry` then says what is
-    wrong). Once they all are, the header's objects are let go before the entries are made (`header` is left
-    empty): a header may list a million."""
-    names, infos = list(header), list(header.values())
-    if not names:
+    alike = {}  # each shape's text parsed once (a header holds few)
+    for shape in set(shapes):
+        if _SHAPE.fullmatch(shape) is None:
+            return None
+        alike[shape] = tuple(map(int, shape[2:-2].split(","))) if shape != ":[]," else ()
+    dtypes = list(map(DTYPES.get, codes))
+    if None in dtypes:  # (ml_dtypes' types, added when first named)
+        dtypes = list(map(dtype_by_code, codes))
+    if None in dtypes or len(set(names)) < count or "__metadata__" in names:
         return None
-    dtypes, lists, offsets = (
-        list(map(DTYPES.get, map(_DTYPE, infos))),
-        list(map(_SHAPE, infos)),
-        list(map(_OFFSETS, infos)),
-    )
-    if None in dtypes or set(map(type, lists)) - {list} or set(map(type, offsets)) - {list}:
+    counts = {written: math.prod(shape) for written, shape in alike.items()}
+    if not all(map(_counts, alike.values())) or max(counts.values()) >= 1 << 56:  # (times bits: within int64)
         return None
-    if set(map(type, chain.from_iterable(lists))) - {int}:
+    numbers = np.fromstring(pairs[2:-3].replace("]},:[", ","), np.int64, sep=",")  # (the digits checked above)
+    if numbers.size != 2 * count:
         return None
-    alike: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape (a header holds few), checked once
-    shapes = [alike.setdefault(shape, shape) for shape in map(tuple, lists)]
-    if not all(map(_counts, alike)) or set(map(len, offsets)) - {2}:
-        return None
-    counts = {shape: math.prod(shape) for shape in alike}
-    begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
-    if set(map(type, begins)) - {int} or set(map(type, ends)) - {int} or min(begins) < 0 or max(ends) >= MAX_COUNT:
-        return None
-    sizes = list(map(operator.sub, ends, begins))
+    begins, sizes = numbers[0::2], numbers[1::2] - numbers[0::2]
+    bits = np.fromiter(map(operator.mul, map(counts.__getitem__, shapes), map(_BITS, dtypes)), np.int64, count)
     # data, so no dimension is 0 and none overflows (see `_checked_entry`)
-    bits = map(operator.mul, map(counts.__getitem__, shapes), map(_BITS, dtypes))
-    if min(sizes) <= 0 or any(map(operator.ne, bits, map((8).__mul__, sizes))):
+    if sizes.min() <= 0 or not np.array_equal(bits, 8 * sizes):
         return None
-    del infos, lists, offsets, ends
-    header.clear()
-    return list(zip(map(base.__add__, begins), sizes, names, dtypes, shapes, strict=True))
+    shaped = map(alike.__getitem__, shapes)
+    return metadata, list(zip((begins + base).tolist(), sizes.tolist(), names, dtypes, shaped, strict=True))
 
 
 def _contiguous(entries: list[Entry], base: int, size: int) -> bool:
@@ -341,11 +368,14 @@ def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[Te
     """The metadata and tensors of a .safetensors file, from its header alone."""
     with store.open(path) as f, gc_paused():
         metadata, entries = read_header(path, f, size_of(f))
-        file = str(path)
-        return metadata, [
-            TensorInfo(name, d.name, shape, nbytes, file, d.array, False, Span(start))
-            for start, nbytes, name, d, shape in entries
-        ]
+        if not entries:
+            return metadata, []
+        # (made by maps, in C but for each TensorInfo's __init__: a header may list 10,000 tiny tensors)
+        starts, sizes, names, dtypes, shapes = zip(*entries, strict=True)
+        spans = map(tuple.__new__, repeat(Span), zip(starts, repeat(None)))  # Span(start), without a call each
+        file = repeat(str(path))
+        fields = names, map(_NAME, dtypes), shapes, sizes, file, map(_ARRAY, dtypes), repeat(False), spans
+        return metadata, list(starmap(TensorInfo, zip(*fields, strict=False)))  # (`repeat`s end with the rest)
 
 
 def write(
@@ -410,7 +440,8 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str):
         raise MalformedError("missing or non-string 'dtype'", path, name)
-    if dtype not in DTYPES:
+    d = dtype_by_code(dtype)
+    if d is None:
         raise UnsupportedError(f"unknown dtype {dtype!r}", path, name)
     if type(shape) is not list or not _counts(shape):
         raise MalformedError(f"'shape' must be a list of integers from 0 to 2**63 - 1, got {_shown(shape)}", path, name)
@@ -420,7 +451,6 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
     begin, end = offsets
     if end < begin:
         raise MalformedError(f"data offsets {begin}..{end} end before they begin", path, name)
-    d = DTYPES[dtype]
     if _overflows(shape, d.bits):
         raise MalformedError(
             f"shape {tuple(shape)} of {dtype} overflows 64 bits, as the reference reader counts it", path, name
@@ -489,6 +519,8 @@ def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], met
 def dtype_for(array_dtype: np.dtype) -> Dtype:
     """The safetensors dtype of a NumPy / ml_dtypes array type."""
     native = np.dtype(array_dtype).newbyteorder("=")
+    if native.num >= 256:  # a type NumPy does not know itself (NPY_USERDEF on): ml_dtypes'
+        _add_ml_dtypes()
     d = BY_ARRAY_DTYPE.get(native)
     if d is None:
         raise UnsupportedError(f"safetensors has no dtype for {np.dtype(array_dtype).name}")

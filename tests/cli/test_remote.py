@@ -128,6 +128,25 @@ def test_a_command_over_http_reports_what_the_local_file_gives(http, files, comm
     assert remote["checkpoints"][0]["path"] == f"{http.url}/{name}"
 
 
+# a finding of review 30: a sharded index at a URL with a query (a presigned URL's signature, a token) was refused as
+# a directory (its suffix was read with the query), and its shards were asked for without the query
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_url_with_a_query_sends_it_for_each_file_and_never_shows_it(files, command):
+    name, *options = command[1:]
+    query = "X-Amz-Signature=0a1b&token=s%2Fecret"
+    with range_server(files) as server:
+        server.query = query
+        result = run(command[0], f"{server.url}/{name}?{query}#part", *options, "--format", "json")
+        assert result.exit_code == 0, result.stderr
+        assert "ecret" not in result.stdout + result.stderr
+        remote = json.loads(result.stdout)
+        assert without_paths(remote) == without_paths(as_json(command[0], files[name], *options))
+        assert remote["checkpoints"][0]["path"] == f"{server.url}/{name}"
+        assert len({path for _, path, _ in server.requests}) == (3 if name.startswith("sharded") else 1)
+        failed = run(command[0], f"{server.url}/{name}?token=other")
+        assert failed.exit_code == 3 and "403" in failed.stderr and "other" not in failed.stderr
+
+
 def test_diff_of_a_url_against_a_local_file_and_convert_to_a_local_output(http, files, tmp_path):
     url = f"{http.url}/pytorch_model.bin"
     expected = as_json("diff", files["pytorch_model.bin"], files["pytorch_model.bin"])

@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from clipcli.checkpoint.httpfs import ShortReadError
 from clipcli.checkpoint.source import Source, SourceFile
-from clipcli.errors import UsageError
+from clipcli.errors import UsageError, split_query
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 ATTEMPTS = 5  # tries of one request before its error is the user's
@@ -76,8 +76,7 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
 
         store = RemoteStore(HttpFileSystem(), protocol, slashes)
         store.lists = False
-        store.typed, _, query = url.partition("#")[0].partition("?")
-        store.query = f"?{query}" if query else ""
+        store.typed, store.query = split_query(url)
         return store, Path(store.typed)
     try:
         import fsspec

@@ -1193,6 +1193,15 @@ def test_an_entry_keyed_by_a_tensor_or_parameter_is_named_by_its_position(tmp_pa
             assert ckpt.metadata == expected
 
 
+def test_a_name_a_tensor_keyed_entry_shares_says_which_entries_clash(tmp_path: Path) -> None:
+    """Review 31: the message showed the entry at position 0 as `[0]`, which reads as an int key."""
+    path = tmp_path / "clash.pt"
+    tensor = torch_view("float32", 4, (2,), (1,))
+    path.write_bytes(torch_zip(PickleDict([(tensor, "a"), (0, "b")]), {"0": struct.pack("<4f", 1, 2, 3, 4)}))
+    with pytest.raises(MalformedError, match=r"two entries of the pickle, \[<entry 0>\] and \[0\], flatten to"):
+        read_torch(path)
+
+
 def test_a_tensor_in_a_set_is_refused_for_want_of_an_order(tmp_path: Path) -> None:
     path = tmp_path / "set.pt"
     tensor = torch_view("float32", 4, (2,), (1,))

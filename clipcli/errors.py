@@ -54,10 +54,20 @@ def _rebuild(cls: type, message: str, path: str | None, tensor: str | None, stat
     return error
 
 
+def split_query(url: str) -> tuple[str, str]:
+    """An `http(s)://` URL without its query and fragment, and its query (`?...`, or ""): the query (a presigned
+    URL's signature, a token) goes with each request and is never shown; the fragment is not sent, as by curl."""
+    base, _, query = url.partition("#")[0].partition("?")
+    return base, f"?{query}" if query else ""
+
+
 def shown_path(path: str) -> str:
     """A path as it can be typed back: a relative one starting with '-' (typed `./-x.safetensors`, which pathlib
     shortens to `-x.safetensors`) gets its './' again, so that a command line does not take it for an option; a
-    URL, which pathlib shortens to `https:/host/...`, its `//` again."""
+    URL, which pathlib shortens to `https:/host/...`, its `//` again; an `http(s)://` URL without its query (a
+    credential: `split_query`)."""
+    if _HTTP_URL.match(path):
+        return split_query(path)[0]
     url = _PATH_OF_URL.match(path)
     if url:
         return f"{url.group(1)}/{path[url.end() :]}"
@@ -66,6 +76,7 @@ def shown_path(path: str) -> str:
 
 # a scheme of one letter would be a Windows drive; `file:/tmp/a` is a file URL as it is
 _PATH_OF_URL = re.compile(r"(?![Ff][Ii][Ll][Ee]:)([A-Za-z][A-Za-z0-9+.-]+:/)(?!/)")
+_HTTP_URL = re.compile(r"[Hh][Tt][Tt][Pp][Ss]?://")
 
 
 def _one_line(text: str) -> str:

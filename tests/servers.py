@@ -45,6 +45,7 @@ class RangeServer(ThreadingHTTPServer):
         self.directories = "404"
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.connections = 0
+        self.query: str | None = None  # when set, a request without this query is refused (403), as a presigned URL's
         self.lock = threading.Lock()
 
     @property
@@ -97,6 +98,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         with self.server.lock:
             self.server.requests.append((self.command, path, self.headers.get("Range")))
+        if self.server.query is not None and self.path.partition("?")[2] != self.server.query:
+            self._send(403, {"Content-Length": "9"}, b"forbidden" if body else b"")
+            return
         route = self.server.routes.get(path)
         if route is not None:
             status, headers, data = route

@@ -242,8 +242,11 @@ class HttpFileSystem:
         for _ in range(_REDIRECTS + 1):
             parts = urlsplit(url)
             key = (parts.scheme.lower(), parts.netloc)
-            path = quote(parts.path or "/", safe="/%:@!$&'()*+,;=~")  # a space typed as such, not %20
-            target = path + (f"?{parts.query}" if parts.query else "")
+            # a space or a character past ASCII typed as such (in the path or the query) goes as curl sends it
+            # encoded: %20, UTF-8's bytes; a %XX typed stays as it is
+            path = quote(parts.path or "/", safe="/%:@!$&'()*+,;=~")
+            query = quote(parts.query, safe="/?%:@!$&'()*+,;=~")
+            target = path + (f"?{query}" if query else "")
             fields = {"Host": parts.netloc, "Accept-Encoding": "identity", **headers}
             lines = [f"{method} {target} HTTP/1.1", *(f"{k}: {v}" for k, v in fields.items())]
             connection = self._take(key)

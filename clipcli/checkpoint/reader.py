@@ -409,8 +409,8 @@ def at_path(path: str | os.PathLike[str], store: Store | None, action: Callable[
         if e.path is None or (e.path == str(path) and path == Path(named)):
             e.path = str(named)
         raise
-    except OSError as e:
-        raise InputError(f"cannot read: {e.strerror or e}", e.filename or named) from e
+    except OSError as e:  # the file it is about: the one the system or the server (a URL's `url`) refused
+        raise InputError(f"cannot read: {e.strerror or e}", e.filename or getattr(e, "url", None) or named) from e
 
 
 def _unlisted(path: Path, store: Store) -> tuple[Path, str | None]:

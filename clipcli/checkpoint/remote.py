@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from clipcli.checkpoint.httpfs import ShortReadError
 from clipcli.checkpoint.source import Source, SourceFile
-from clipcli.errors import UsageError
+from clipcli.errors import UsageError, split_query
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 ATTEMPTS = 5  # tries of one request before its error is the user's
@@ -76,8 +76,8 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
 
         store = RemoteStore(HttpFileSystem(), protocol, slashes)
         store.lists = False
-        store.typed = url
-        return store, Path(url)
+        store.typed, store.query = split_query(url)
+        return store, Path(store.typed)
     try:
         import fsspec
     except ImportError as e:
@@ -267,7 +267,8 @@ class RemoteStore:
 
     forkable = False  # an fsspec event loop does not survive a fork: the engine's workers are threads here
     lists = True  # whether `list` lists a directory (plain HTTP cannot: a directory shows by a file in it)
-    typed: str | None = None  # plain HTTP's URL as typed: names below it, from files, are percent-encoded
+    typed: str | None = None  # plain HTTP's URL as typed, less its query: names below it (from files) percent-encoded
+    query = ""  # plain HTTP's query as typed (`?X-Amz-Signature=...`), sent with every URL of the store
 
     def __init__(self, fs: Any, protocol: str, slashes: int = 2, read_options: dict[str, Any] | None = None):
         self.fs = fs
@@ -283,7 +284,13 @@ class RemoteStore:
 
         Over plain HTTP the URL typed is sent as typed, and a name below it or beside it (a shard of an index, a
         `.distcp` file, a marker) is percent-encoded whole: it came from a file, and is never a query or fragment.
+        The query typed (a presigned URL's signature, a token) goes with each: paths inside clipcli, and so every
+        report and message, never show it (it is a credential), and a suffix is read without it.
         """
+        text = self._url(path)
+        return text if not self.query or "?" in text else text + self.query
+
+    def _url(self, path: Path | str) -> str:
         text = os.fspath(path)
         if self.typed is not None and not _URL.match(text):  # a path inside clipcli, not a URL already
             text = self._encoded(Path(text))
@@ -296,11 +303,11 @@ class RemoteStore:
         """`path` with the part below the URL typed (or its directory) percent-encoded (`typed` is set)."""
         typed = Path(self.typed)  # type: ignore[arg-type]
         if path == typed:
-            return self.url(self.typed)  # type: ignore[arg-type]
+            return self._url(self.typed)  # type: ignore[arg-type]
         for base in (typed, typed.parent):
             if base in path.parents:
                 below = quote(path.relative_to(base).as_posix(), safe="/")
-                return f"{self.url(os.fspath(base)).rstrip('/')}/{below}"
+                return f"{self._url(os.fspath(base)).rstrip('/')}/{below}"
         return os.fspath(path)
 
     def _path(self, name: str) -> Path:

@@ -563,6 +563,73 @@ def test_an_item_left_out_of_a_list_never_renumbers_those_after_it(tmp_path):
     assert not (tmp_path / "ph_o.pt").exists()
 
 
+def _keyed_file(path: Path, parameter: bool) -> Path:
+    """A torch.save-like archive of {'w': tensor [1, 2], <tensor [3] or a Parameter of it>: {'m': tensor [4, 5]}}:
+    an optimizer's `state`, keyed by the parameters."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    refs = []
+    for key, n in (("0", 2), ("1", 1), ("2", 2)):
+        ref = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(n,)))  # type: ignore[arg-type]
+        ref.key, ref.numel_of_storage = key, n
+        refs.append(ref)
+    key = refs[1]
+    if parameter:
+        key = _torch_pickler.Call("torch._utils", "_rebuild_parameter", (key, True, OrderedDict()))
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("opt/data.pkl", _torch_pickler.Pickler().dump({"w": refs[0], key: {"m": refs[2]}}))
+        z.writestr("opt/byteorder", "little")
+        for i, values in enumerate(([1, 2], [3], [4, 5])):
+            z.writestr(f"opt/data/{i}", np.array(values, np.float32).tobytes())
+        z.writestr("opt/version", "3\n")
+    return path
+
+
+# review 31: a .pt written from a dict keyed by a Parameter was refused ("a _Parameter where a key or value
+# belongs", no file named), and one keyed by a tensor came back with the key a string "1.__key__" beside its entry
+@pytest.mark.parametrize("parameter", [False, True], ids=["tensor", "parameter"])
+def test_a_dict_keyed_by_tensors_is_written_with_them_as_keys(tmp_path, parameter):
+    source = _keyed_file(tmp_path / "opt.pt", parameter)
+    names = [t["name"] for t in js("inspect", source)["checkpoints"][0]["tensors"]]
+    assert names == ["w", "1.m", "1.__key__"]
+    out = tmp_path / "o.pt"
+    ok("convert", source, "-o", out)
+    _check_archive(out)
+    root = _root(out)
+    (key,) = [k for k in root if k != "w"]
+    assert type(key).__name__ == ("_rebuild_parameter" if parameter else "_rebuild_tensor_v2")
+    assert _hashes(out) == _hashes(source)
+    assert b"__key__" not in zipfile.ZipFile(out).read("o/data.pkl")  # a tensor key, not a name beside the entry
+    # the key left out: the entry cannot be keyed (refused); the entry left out whole: the rest is written
+    result = run("convert", source, "-o", tmp_path / "k.pt", "--exclude", "1.__key__")
+    assert result.exit_code == 3 and not (tmp_path / "k.pt").exists()
+    assert result.stderr == (
+        f"clipcli: error: {tmp_path / 'k.pt'}: tensor 1.__key__: is the key of the entry 1, which a .pt output "
+        "cannot hold without it (torch keys it by that tensor); select it too, or write .safetensors (which keeps "
+        "every name)\n"
+    )
+    ok("convert", source, "-o", tmp_path / "e.pt", "--exclude", "1.*")
+    assert list(_root(tmp_path / "e.pt")) == ["w"]
+
+
+def test_torch_reads_back_an_optimizer_state_keyed_by_its_parameters(tmp_path):
+    torch = pytest.importorskip("torch")
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    source, out = tmp_path / "state.pt", tmp_path / "o.pt"
+    torch.save(dict(opt.state), source)
+    ok("convert", source, "-o", out)
+    before, after = torch.load(source, weights_only=True), torch.load(out, weights_only=True)
+    assert len(after) == 2
+    for (k0, v0), (k1, v1) in zip(before.items(), after.items(), strict=True):
+        assert type(k1) is torch.nn.Parameter and torch.equal(k0, k1)
+        assert list(v0) == list(v1) and all(torch.equal(v0[n], v1[n]) for n in v0)
+
+
 def test_an_object_member_of_an_npz_is_refused_with_what_writes_the_rest(tmp_path):
     source = DATA / "npz" / "objects.npz"
     with zipfile.ZipFile(source) as z:  # the members NumPy's loader needs allow_pickle for

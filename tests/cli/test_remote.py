@@ -128,6 +128,25 @@ def test_a_command_over_http_reports_what_the_local_file_gives(http, files, comm
     assert remote["checkpoints"][0]["path"] == f"{http.url}/{name}"
 
 
+# a finding of review 30: a sharded index at a URL with a query (a presigned URL's signature, a token) was refused as
+# a directory (its suffix was read with the query), and its shards were asked for without the query
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_a_url_with_a_query_sends_it_for_each_file_and_never_shows_it(files, command):
+    name, *options = command[1:]
+    query = "X-Amz-Signature=0a1b&token=s%2Fecret"
+    with range_server(files) as server:
+        server.query = query
+        result = run(command[0], f"{server.url}/{name}?{query}#part", *options, "--format", "json")
+        assert result.exit_code == 0, result.stderr
+        assert "ecret" not in result.stdout + result.stderr
+        remote = json.loads(result.stdout)
+        assert without_paths(remote) == without_paths(as_json(command[0], files[name], *options))
+        assert remote["checkpoints"][0]["path"] == f"{server.url}/{name}"
+        assert len({path for _, path, _ in server.requests}) == (3 if name.startswith("sharded") else 1)
+        failed = run(command[0], f"{server.url}/{name}?token=other")
+        assert failed.exit_code == 3 and "403" in failed.stderr and "other" not in failed.stderr
+
+
 def test_diff_of_a_url_against_a_local_file_and_convert_to_a_local_output(http, files, tmp_path):
     url = f"{http.url}/pytorch_model.bin"
     expected = as_json("diff", files["pytorch_model.bin"], files["pytorch_model.bin"])
@@ -460,3 +479,36 @@ def test_a_url_that_names_no_file_and_no_marked_directory_says_what_to_name():
         "model.safetensors.index.json, pytorch_model.bin.index.json: plain HTTP cannot list a directory; name a "
         "file, a sharded index, or a directory holding one of those\n"
     )
+
+
+def test_verify_of_a_url_with_a_query_never_shows_it(files):
+    """Review 31: verify's report showed the URL as typed, token and all."""
+    with range_server(files) as server:
+        server.query = "token=s3cr3t"
+        for options in ((), ("--format", "json")):
+            result = run("verify", f"{server.url}/sharded/model.safetensors.index.json?token=s3cr3t", *options)
+            assert result.exit_code == 0, result.stderr
+            assert "s3cr3t" not in result.stdout + result.stderr
+            assert f"{server.url}/sharded/model.safetensors.index.json" in result.stdout
+
+
+def test_a_shard_the_server_refuses_is_named_not_its_index(files):
+    """Review 31: a 403 on a shard (a signature made for the index alone) was blamed on the index."""
+    shard = "sharded/model-00002-of-00002.safetensors"
+    with range_server(files) as server:
+        server.routes[f"/{shard}"] = (403, {}, b"no")
+        for url in (f"{server.url}/sharded/model.safetensors.index.json?sig=A", f"{server.url}/sharded"):
+            result = run("inspect", url)
+            assert result.exit_code == 3
+            assert result.stderr == f"clipcli: error: {server.url}/{shard}: cannot read: HTTP 403 Forbidden\n"
+
+
+@pytest.mark.parametrize(
+    ("typed", "sent"),
+    [("token=a b", "token=a%20b"), ("token=€é", "token=%E2%82%AC%C3%A9"), ("t=%2F%zz&x=1/2?3", "t=%2F%zz&x=1/2?3")],
+)
+def test_a_query_is_sent_as_curl_sends_it(files, typed, sent):
+    """Review 31: a space went raw (a 400 whose reason showed the token), a character past ASCII failed to encode."""
+    with range_server(files) as server:
+        server.query = sent
+        assert run("inspect", f"{server.url}/grads.safetensors?{typed}").exit_code == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from clipcli.checkpoint.formats._numpy_pickle import NumpyArray, NumpyDtype
 from clipcli.checkpoint.formats._pickle import (
@@ -137,7 +137,7 @@ def _path(trail: Any) -> str:
 def _children(obj: Any) -> list[tuple[Any, Any]] | None:
     """A container's (key, item) pairs, or None for a leaf; keys are rendered only once named."""
     if isinstance(obj, dict):
-        return list(obj.items())
+        return _keyed(list(obj.items()))
     if type(obj) in (list, tuple):
         return list(enumerate(obj))
     return None
@@ -163,9 +163,37 @@ def _placeholder_children(p: Placeholder) -> list[tuple[Any, Any]]:
     out += list(attributes.items())
     if others:
         out.append(("__state__", others[0] if len(others) == 1 else others))
-    out += list(p.items.items())
+    out += _keyed(list(p.items.items()))
     out += list(enumerate(p.list_items))
     return out
+
+
+KEY = "__key__"  # the key of a dict entry that is named by its position (see _keyed)
+
+
+class Entry(NamedTuple):
+    """The value (or, `key`, the key) of the dict entry at `position`, whose key holds a tensor."""
+
+    position: int
+    key: bool
+
+
+def _keyed(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """A dict's (key, value) pairs as they are named: an entry whose key holds a tensor (torch's `optimizer.state`
+    is keyed by the parameters, in the order they first got state) is named by its position in the dict, and its
+    key, a tensor to list like any other, `N.__key__` beside it."""
+    if not any(_holds_tensor(k, 0) for k, _ in items):
+        return items
+    out: list[tuple[Any, Any]] = []
+    for i, (k, v) in enumerate(items):
+        out += [(Entry(i, False), v), (Entry(i, True), k)] if _holds_tensor(k, 0) else [(k, v)]
+    return out
+
+
+def _holds_tensor(key: Any, depth: int) -> bool:
+    if isinstance(key, (Tensor, Storage)):
+        return True
+    return type(key) is tuple and depth < _MAX_KEY_DEPTH and any(_holds_tensor(k, depth + 1) for k in key)
 
 
 def _inline_args(p: Placeholder) -> str | None:
@@ -221,6 +249,10 @@ def _literal(value: Any, depth: int) -> str:
         raise MalformedError(f"a dict key or set nested deeper than {_MAX_KEY_DEPTH} levels")
     if type(value) is str:
         return repr(value) if depth else value
+    if type(value) is Entry:  # a name's part; in a message's path (depth 1), what it is
+        if depth:
+            return f"<the tensor key of entry {value.position}>" if value.key else f"<entry {value.position}>"
+        return f"{value.position}.{KEY}" if value.key else str(value.position)
     if type(value) is int:
         return str(value) if value.bit_length() < 10_000 else hex(value)  # str() refuses > 4300 digits
     if value is None or type(value) in (bool, float, complex, bytes):
@@ -248,7 +280,7 @@ def _literal(value: Any, depth: int) -> str:
     if isinstance(value, NumpyDtype):
         return value.text
     if isinstance(value, (Tensor, Storage)):
-        raise UnsupportedError("a tensor used as a dict key or set member has no name")
+        raise UnsupportedError("a tensor in a set has no name (a set has no order to number its members by)")
     raise MalformedError(f"{a_kind(value)} where a key or value belongs")
 
 

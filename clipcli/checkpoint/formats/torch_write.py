@@ -121,7 +121,7 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
     written and its leaves kept where they are still in `metadata`; names as `_torch_names.flatten` gives."""
     from clipcli.checkpoint.formats._numpy_pickle import NumpyArray
     from clipcli.checkpoint.formats._pickle import PickledCounter, Placeholder
-    from clipcli.checkpoint.formats._torch_names import _children, _key_text
+    from clipcli.checkpoint.formats._torch_names import KEY, _children, _holds_tensor, _key_text
     from clipcli.checkpoint.formats._torch_records import Storage, Tensor
 
     by_name = {t.name: t for t in tensors}
@@ -152,6 +152,8 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
                 return _SKIP  # not selected
             placed.add(label)
             return TensorRef(t)
+        if isinstance(obj, dict) and any(_holds_tensor(_as_read(k), 0) for k in obj):
+            return keyed(obj, name, depth)
         children = _children(obj)
         if children is not None and (children or depth == 0):
             kept, gap = [], None
@@ -172,6 +174,36 @@ def _rebuild(root: Any, root_name: str, tensors: list[TensorInfo], metadata: dic
         if label not in metadata:
             return _SKIP
         return _plain(obj, label)
+
+    def keyed(obj: dict[Any, Any], name: str | None, depth: int) -> Any:
+        """A dict some of whose keys hold tensors, written with them as keys (the reader names such an entry by
+        its position and its key `N.__key__`). An entry whose value is left out is left out, its key's tensors
+        going to the top by name, and so is one whose key and every tensor of whose value are; a value with
+        tensors kept whose key is left out is refused (it would have no key)."""
+        kept = []
+        for i, (key, value) in enumerate(obj.items()):
+            if not _holds_tensor(_as_read(key), 0):
+                part = key if type(key) is str else _key_text(_as_read(key))
+                item = walk(value, part if name is None else f"{name}.{part}", depth + 1)
+                if item is not _SKIP:
+                    kept.append((_plain_key(key, root_name if name is None else name), item))
+                continue
+            at = str(i) if name is None else f"{name}.{i}"
+            before = len(placed)
+            item = walk(value, at, depth + 1)
+            if item is _SKIP:
+                continue
+            written = walk(key, f"{at}.{KEY}", depth + 1)
+            if written is _SKIP and len(placed) == before:
+                continue
+            if written is _SKIP:
+                raise UnsupportedError(
+                    f"is the key of the entry {at}, which a .pt output cannot hold without it (torch keys it by that "
+                    "tensor); select it too, or write .safetensors (which keeps every name)",
+                    tensor=f"{at}.{KEY}",
+                )
+            kept.append((written, item))
+        return (OrderedDict if type(obj) is not dict else dict)(kept)
 
     out = walk(root, None, 0)
     left = [t for t in tensors if t.name not in placed]
@@ -260,6 +292,8 @@ def _as_read(key: Any) -> Any:
     """A dict key as the reader names it: each torch.Size in it a tuple."""
     if type(key) is _Size:
         return key.dims
+    if type(key) is _Parameter:
+        return key.tensor
     if type(key) in (tuple, frozenset):
         return type(key)(_as_read(k) for k in key)
     return key

@@ -76,6 +76,7 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
 
         store = RemoteStore(HttpFileSystem(), protocol, slashes)
         store.lists = False
+        store.streams = _STREAMS // 2
         store.typed = url
         return store, Path(url)
     try:
@@ -268,6 +269,9 @@ class RemoteStore:
     forkable = False  # an fsspec event loop does not survive a fork: the engine's workers are threads here
     lists = True  # whether `list` lists a directory (plain HTTP cannot: a directory shows by a file in it)
     typed: str | None = None  # plain HTTP's URL as typed: names below it, from files, are percent-encoded
+    # into how many parts of a file, each read on by workers of its own, the engine may cut a pass (`engine.in_parts`):
+    # a ranged GET left open (`_Streams`) is received by one thread at a time, several by several cores at once
+    streams = 1
 
     def __init__(self, fs: Any, protocol: str, slashes: int = 2, read_options: dict[str, Any] | None = None):
         self.fs = fs

@@ -6,8 +6,10 @@ standard library's client). Inside clipcli a URL travels as the `Path` that path
 it back into the URL for each request; `errors.shown_path` restores the `//` for people.
 
 Every read is one ranged request (fsspec's `cat_file(url, start, end)`): headers through a buffered file
-object, tensors' bytes chunk by chunk from the engine's threads (several requests in flight). A transient
-failure (a 5xx or 429 answer, a connection reset, a body cut short) is retried with exponential backoff.
+object, tensors' bytes chunk by chunk from the engine's threads (several requests in flight); over http(s), a
+ranged GET left open for the chunks that follow, one for each part of a pass that workers read on in (`streams`,
+`engine.in_parts`). A transient failure (a 5xx or 429 answer, a connection reset, a body cut short) is retried
+with exponential backoff.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ warmed first. Prints the median wall time of each side over --reps alternating p
 beside them clipcli's on the local file (timed in the same rounds): what the network costs it; and, per row, the
 requests, connections and bytes the server counted for one clipcli run. `--before CMD` times another clipcli (an
 earlier commit's) in the same rounds, for a before/after. The machine is shared and noisy: only ratios measured
-side by side in one run mean anything.
+side by side in one run mean anything, and the load average printed before and after says how busy it was.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         clip = [*shlex.split(args.clipcli), "global-norm", url, "--quiet"]
         env_path = os.pathsep.join(p for p in (str(ROOT), ENV.get("PYTHONPATH", "")) if p)
         ENV["PYTHONPATH"] = env_path
-        print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB over {url.rsplit('/', 1)[0]}, {args.reps} pairs")
+        size, load = path.stat().st_size / 2**30, "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+        print(f"{path.name}: {size:.2f} GiB over {url.rsplit('/', 1)[0]}, {args.reps} pairs ({load})")
         before = "| before, the URL | ratio " if args.before else ""
         print(f"| command {before}| clipcli, the URL | curl -o /dev/null | ratio | clipcli, the local file |")
         print("|---|---:|---:|---:|---:|" + ("---:|---:|" if args.before else ""))
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             was = f" {d:.2f} s | {d / b:.2f}x |" if then else ""
             print(f"| {label} |{was} {a:.2f} s | {b:.2f} s | {a / b:.2f}x | {c:.2f} s |", flush=True)
         print("\nAt the server, one run of each (curl: 1 GET):", "; ".join(counted))
+        print("After: load average {:.2f} {:.2f} {:.2f} (other work on the machine's cores)".format(*os.getloadavg()))
     finally:
         server.terminate()
         server.wait()

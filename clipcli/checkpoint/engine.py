@@ -225,20 +225,53 @@ def run(
     max_bytes = chunk_bytes(jobs)
     whole = getattr(make_kernel(), "whole", False)
     tasks = _tasks(reader, tensors, max_bytes, align, unit, whole)
+    jobs = min(jobs, len(tasks)) or 1
+    parts = 1 if whole else min(jobs, getattr(getattr(reader, "store", None), "streams", 1))
+    starts: list[tuple[str, int]] = []
+    if parts > 1:
+        tasks, starts = in_parts(tasks, tensors, parts)
     work = Worker(reader, tensors, tasks, make_kernel, max_bytes, align, unit)
-    with read_ahead([reader], [() if whole else tensors]):
-        return dispatch(work, min(jobs, len(tasks)) or 1, total, kind, progress)
+    with read_ahead([reader], [() if whole else tensors], starts):
+        return dispatch(work, jobs, total, kind, progress)
+
+
+def in_parts(tasks: list[_Task], tensors: Sequence[Any], parts: int) -> tuple[list[_Task], list[tuple[str, int]]]:
+    """`tasks` cut into `parts` runs of about equal bytes, handed out in turn (the first task of each run, then the
+    second of each, ...), and where each run but the first starts in its file (file, byte).
+
+    For a store that streams (a remote one): `parts` workers then each read on in a part of their own, on a
+    connection of its own, where one connection's bytes are received by one thread at a time.
+    """
+    sizes = [task.nbytes or sum(tensors[i].nbytes for i in task.tensors) for task in tasks]
+    total = sum(sizes)
+    runs: list[list[_Task]] = [[]]
+    done = 0
+    for task, n in zip(tasks, sizes, strict=True):
+        if runs[-1] and len(runs) < parts and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(task)
+        done += n
+    starts = []
+    for run in runs[1:]:
+        t = tensors[run[0].tensors[0]]
+        if isinstance(t.location, Span):
+            starts.append((t.file, t.location.offset + run[0].offset))
+    turns = itertools.zip_longest(*runs)
+    return [task for turn in turns for task in turn if task is not None], starts
 
 
 @contextlib.contextmanager
-def read_ahead(readers: list[Any], sides: list[Sequence[Any]]) -> Iterator[None]:
+def read_ahead(
+    readers: list[Any], sides: list[Sequence[Any]], starts: Sequence[tuple[str, int]] = ()
+) -> Iterator[None]:
     """Tells each reader (that can use it: a remote one) the tensors whose chunks the run reads, in the order the
-    workers take them, for the run's time. Not the tensors one worker reads whole (a hash's, a transposed
-    pair's): the workers would wait on one another's read-ahead."""
+    workers take them, and where a part that other workers read at the same time starts (`in_parts`), for the
+    run's time. Not the tensors one worker reads whole (a hash's, a transposed pair's): the workers would wait
+    on one another's read-ahead."""
     advise = [getattr(reader, "will_read", None) for reader in readers]
     for will_read, tensors in zip(advise, sides, strict=True):
         if will_read is not None:
-            will_read(tensors)
+            will_read(tensors, starts)
     try:
         yield
     finally:

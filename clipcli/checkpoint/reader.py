@@ -63,6 +63,7 @@ class Checkpoint:
         self._crcs = ReadLog()
         self._will_read: Sequence[TensorInfo] = ()  # the tensors the reads to come take, in order (will_read)
         self._read_on: dict[tuple[str, int], int] | None = {}  # (file, a tensor's start) -> where reads go on to
+        self._starts: Sequence[tuple[str, int]] = ()  # where other workers read on at the same time (will_read)
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -188,6 +189,7 @@ class Checkpoint:
         end = None
         if within is not None and isinstance(t.location, Span):
             end = self._reads_on().get((file, t.location.offset), t.location.offset + t.nbytes)
+            end = min([end, *(start for f, start in self._starts if f == file and at < start)])
         got = 0
         try:
             while got < len(view):
@@ -200,10 +202,12 @@ class Checkpoint:
         finally:
             self.store.release(source)
 
-    def will_read(self, tensors: Sequence[TensorInfo]) -> None:
+    def will_read(self, tensors: Sequence[TensorInfo], starts: Sequence[tuple[str, int]] = ()) -> None:
         """Says whose bytes the reads to come take, in this order (`()`: nothing said). A source that reads ahead
-        (a remote one: `read_within`) then reads on across the tensors that follow one another in a file."""
+        (a remote one: `read_within`) then reads on across the tensors that follow one another in a file, up to
+        the next of `starts` (file, byte), where other workers read on at the same time (`engine.in_parts`)."""
         self._will_read, self._read_on = tensors, None  # worked out when a source that reads ahead asks
+        self._starts = starts
 
     def _reads_on(self) -> dict[tuple[str, int], int]:
         """(file, a tensor's start) -> where the reads in order go on to, from the tensors of `will_read`: the end

@@ -6,8 +6,10 @@ standard library's client). Inside clipcli a URL travels as the `Path` that path
 it back into the URL for each request; `errors.shown_path` restores the `//` for people.
 
 Every read is one ranged request (fsspec's `cat_file(url, start, end)`): headers through a buffered file
-object, tensors' bytes chunk by chunk from the engine's threads (several requests in flight). A transient
-failure (a 5xx or 429 answer, a connection reset, a body cut short) is retried with exponential backoff.
+object, tensors' bytes chunk by chunk from the engine's threads (several requests in flight); over http(s), a
+ranged GET left open for the chunks that follow, one for each part of a pass that workers read on in (`streams`,
+`engine.in_parts`). A transient failure (a 5xx or 429 answer, a connection reset, a body cut short) is retried
+with exponential backoff.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def open_store(url: str) -> tuple[RemoteStore, Path]:
 
         store = RemoteStore(HttpFileSystem(), protocol, slashes)
         store.lists = False
+        store.streams = _STREAMS // 2
         store.typed, store.query = split_query(url)
         return store, Path(store.typed)
     try:
@@ -269,6 +272,9 @@ class RemoteStore:
     lists = True  # whether `list` lists a directory (plain HTTP cannot: a directory shows by a file in it)
     typed: str | None = None  # plain HTTP's URL as typed, less its query: names below it (from files) percent-encoded
     query = ""  # plain HTTP's query as typed (`?X-Amz-Signature=...`), sent with every URL of the store
+    # into how many parts of a file, each read on by workers of its own, the engine may cut a pass (`engine.in_parts`):
+    # a ranged GET left open (`_Streams`) is received by one thread at a time, several by several cores at once
+    streams = 1
 
     def __init__(self, fs: Any, protocol: str, slashes: int = 2, read_options: dict[str, Any] | None = None):
         self.fs = fs

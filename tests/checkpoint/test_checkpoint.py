@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import os
@@ -1009,6 +1010,47 @@ def test_small_pairs_fall_into_the_same_tasks_found_per_run_as_per_pair(layout, 
 class _AnyReader:
     def random_access(self, t):
         return True
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=40),
+    max_bytes=st.sampled_from([1 << 12, 1 << 16, 1 << 20]),
+    parts=st.integers(2, 9),
+)
+@example(sizes=[1 << 20] * 3, max_bytes=1 << 16, parts=4)  # 48 tasks of 64 KiB: 4 parts of 12
+def test_a_pass_in_parts_hands_out_every_task_once_each_part_in_order(sizes, max_bytes, parts):
+    # engine.in_parts (a remote file read on in parts, a connection each): the tasks as `_tasks` made them, dealt
+    # out in turn; the parts of about equal bytes, each starting where its first task does
+    from clipcli.checkpoint import TensorInfo
+    from clipcli.checkpoint import engine as _engine
+    from clipcli.checkpoint.tensor import Span
+
+    tensors, end = [], 0
+    for i, n in enumerate(sizes):
+        tensors.append(TensorInfo(f"t{i}", "uint8", (n,), n, "a", np.dtype(np.uint8), location=Span(end)))
+        end += n
+    tasks = _engine._tasks(_AnyReader(), tensors, max_bytes, {}, 1)
+    dealt, starts = _engine.in_parts(tasks, tensors, parts)
+    assert sorted(dealt) == sorted(tasks) and len(dealt) == len(tasks)
+
+    def where(task):  # (the first byte, the bytes) of a task in the file
+        first = tensors[task.tensors[0]]
+        if task.batch:
+            return first.location.offset, sum(tensors[i].nbytes for i in task.tensors)
+        return first.location.offset + task.offset, task.nbytes
+
+    cuts = [0, *(at for _, at in starts), end]
+    assert all(file == "a" for file, _ in starts) and cuts == sorted(set(cuts))
+    assert len(starts) < min(parts, len(tasks))  # fewer where a large task spans more than a part's share
+    largest = max(where(task)[1] for task in tasks)
+    if len({where(task)[1] for task in tasks}) == 1:  # tasks of one size: as many parts as asked for
+        assert len(starts) == min(parts, len(tasks)) - 1
+    for k, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+        mine = [where(task) for task in dealt if lo <= where(task)[0] < hi]
+        assert [at for at, _ in mine] == sorted(at for at, _ in mine)  # each part's tasks in file order
+        assert sum(n for _, n in mine) == hi - lo <= end / parts + largest
+        assert dealt.index(next(t for t in dealt if where(t)[0] == lo)) == k  # each part's first, dealt in turn
 
 
 def _whole(ckpt, t, ord_):

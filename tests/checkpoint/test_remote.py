@@ -128,6 +128,45 @@ def test_a_tensor_read_in_chunks_is_one_ranged_get_read_on(tmp_path):
         assert server.connections == 1
 
 
+class _Squares:
+    """A kernel: the sum of squares of each tensor's chunks, by offset (the same whichever worker reads which)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[tuple[str, int], float] = {}
+
+    def chunk(self, t, offset: int, values: np.ndarray) -> None:
+        self.parts[(t.name, offset)] = float(np.sum(np.square(values, dtype=np.float64)))
+
+    def result(self) -> dict[tuple[str, int], float]:
+        return self.parts
+
+
+def test_two_workers_read_on_in_halves_of_their_own_on_two_connections(tmp_path):
+    # one ranged GET is received by one thread at a time: two workers each read on in a half of the tensors' bytes
+    # (engine.in_parts), a GET and a connection each, received by two cores at once, no byte asked twice
+    from clipcli.checkpoint import engine
+
+    path = tmp_path / "a.safetensors"
+    rng = np.random.default_rng(4)
+    values = {f"t{i}": rng.standard_normal(5 << 20 >> 2).astype(np.float32) for i in range(7)}  # 7 x 5 MiB
+    save_file(values, str(path))
+    with range_server({"a.safetensors": path}) as server, open_checkpoint(f"{server.url}/a.safetensors") as ckpt:
+        server.reset()
+        parts = engine.run(ckpt, ckpt.tensors, _Squares, jobs=2, kind="threads", unit=1)
+        first = min(t.location.offset for t in ckpt.tensors)
+        end = max(t.location.offset + t.nbytes for t in ckpt.tensors)
+        asked = sorted(tuple(int(n) for n in r.removeprefix("bytes=").split("-")) for _, _, r in server.requests)
+    assert len(asked) == 2 and server.connections == 2  # the header's, then one more
+    (a, b), (c, d) = asked
+    assert a == first and c == b + 1 and d == end - 1 and abs((b + 1 - a) - (d + 1 - c)) <= 4 << 20
+    sums: dict[str, float] = {}
+    for part in parts:
+        for (name, _), v in part.items():
+            sums[name] = sums.get(name, 0.0) + v
+    assert sums == pytest.approx({k: float(np.sum(np.square(v, dtype=np.float64))) for k, v in values.items()})
+    assert len(parts) == 2 and all(parts)
+
+
 def test_a_stream_no_read_comes_back_to_is_given_up(tmp_path, monkeypatch):
     # read-ahead: a read past a stream's place waits for the thread reading the bytes before it, then gives it up
     monkeypatch.setattr(_remote, "_WAIT_S", 0.05)

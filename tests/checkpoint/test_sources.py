@@ -190,3 +190,17 @@ def test_a_source_that_reads_ahead_is_told_where_the_reads_in_order_go_on_to(tmp
             for t in reads:
                 assert ckpt.read(t).tolist() == [float("abc".index(t.name))] * 4
             assert _told == expected
+
+
+def test_a_source_that_reads_ahead_is_told_to_stop_where_another_part_starts(tmp_path: Path) -> None:
+    # engine.in_parts: workers reading on in parts of a file of their own, a read stops before the next part
+    path = tmp_path / "m.safetensors"
+    save_file({k: np.full(4, i, np.float32) for i, k in enumerate("abc")}, str(path))
+    store = MemoryStore.copy_of([path], ReadingOn)
+    with open_checkpoint(path, store) as ckpt:
+        a, b, c = sorted(ckpt.tensors, key=lambda t: t.location.offset)
+        ckpt.will_read([a, b, c], [(a.file, b.location.offset + 8), ("other", a.location.offset + 4)])
+        _told.clear()
+        for t in (a, b, c):
+            ckpt.read(t)
+        assert _told == [b.location.offset + 8] * 2 + [c.location.offset + c.nbytes]

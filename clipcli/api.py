@@ -8,9 +8,11 @@ the command line's gates (`--fail-above`, ...) to a report, so a script decides 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+import types
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import UnsupportedError, UsageError
@@ -68,14 +70,16 @@ class CheckpointFile:
         """The tensors' names, in the file's order."""
         return list(self._tensors)
 
-    @property
-    def dtypes(self) -> dict[str, str]:
-        """Each tensor's dtype, as NumPy / ml_dtypes name it (`float32`, `bfloat16`)."""
-        return {n: t.dtype for n, t in self._tensors.items()}
+    @functools.cached_property
+    def dtypes(self) -> Mapping[str, str]:
+        """Each tensor's dtype, as NumPy / ml_dtypes name it (`float32`, `bfloat16`): a read-only mapping, made
+        once (`f.dtypes[name]` in a loop over 50,000 names rebuilt it at each look-up)."""
+        return types.MappingProxyType({n: t.dtype for n, t in self._tensors.items()})
 
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: t.shape for n, t in self._tensors.items()}
+    @functools.cached_property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Each tensor's shape: a read-only mapping, made once."""
+        return types.MappingProxyType({n: t.shape for n, t in self._tensors.items()})
 
     def info(self, name: str) -> TensorInfo:
         """What the headers say of one tensor (dtype, shape, size, file, location).

@@ -1360,3 +1360,42 @@ def test_a_header_split_at_its_quotes_is_taken_only_where_it_is_json(tmp_path, t
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
     with pytest.raises(MalformedError, match="not valid UTF-8 JSON"):
         open_checkpoint(path)
+
+
+# review 31: a tensor's entry with an unknown key whose value the reference reader (serde_json) refuses was taken:
+# NaN, Infinity, numbers past float64's range, a lone surrogate's escape, nesting of 128 levels or more
+@pytest.mark.parametrize(
+    ("extra", "taken"),
+    [
+        ("NaN", False),
+        ("-Infinity", False),
+        ("[Infinity]", False),
+        ("1e400", False),
+        ("-1e400", False),
+        ("1" + "0" * 400, False),
+        ('"\\ud800"', False),
+        ('1,"\\udc00":1', False),
+        ("[" * 126 + "]" * 126, False),
+        ("[" * 125 + "]" * 125, True),
+        ("1e-400", True),
+        ("1" + "0" * 30, True),
+        ('"\\ud83d\\ude00"', True),
+        ('{"a":[1.5,null,true]}', True),
+    ],
+)
+def test_an_unknown_key_is_taken_exactly_when_the_reference_reader_takes_it(tmp_path, extra, taken):
+    header = ('{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + extra + "}}").encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + np.float32(5).tobytes())
+    try:
+        with safe_open(str(path), "np") as f:
+            reference = f.get_tensor("w")
+    except Exception:  # the reference reader refuses it
+        reference = None
+    assert (reference is not None) == taken
+    if taken:
+        with open_checkpoint(path) as ckpt:
+            np.testing.assert_array_equal(ckpt.read(ckpt.tensors[0]), reference)
+    else:
+        with pytest.raises(MalformedError):
+            open_checkpoint(path).close()

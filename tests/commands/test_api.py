@@ -121,6 +121,11 @@ def test_open_gives_names_dtypes_shapes_metadata_and_values(samples):
     with clipcli.open("weights-step-1000.safetensors") as ckpt:
         assert ckpt.names == list(want) and ckpt.format == "safetensors" and ckpt.metadata == {"step": "1000"}
         assert ckpt.shapes == {k: v.shape for k, v in want.items()}
+        # review 31: shapes and dtypes were rebuilt at each access (a loop over 50,000 names took minutes): made once,
+        # read-only
+        assert ckpt.shapes is ckpt.shapes and ckpt.dtypes is ckpt.dtypes
+        with pytest.raises(TypeError):
+            ckpt.shapes[ckpt.names[0]] = ()  # type: ignore[index]
         for name, array in want.items():
             np.testing.assert_array_equal(ckpt.read(name), array)
             np.testing.assert_array_equal(np.concatenate([c.copy() for c in ckpt.chunks(name)]), array.ravel())

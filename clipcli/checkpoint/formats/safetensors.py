@@ -224,7 +224,10 @@ def _parse(
     try:
         # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
         # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
-        ints = {"parse_int": _json_int_or_zero} if b"-0" in raw else {"parse_int": _json_int}
+        # ("-0", and integers of 309 digits or more, which may pass float64's range, take a call each; others none)
+        ints = {"parse_int": _json_int_or_zero} if b"-0" in raw else {}
+        if not ints and _LONG_NUMBER.search(raw):
+            ints = {"parse_int": _json_int}
         text = raw.decode("utf-8")
         found = _compact(raw, text, 8 + n) if compact and n <= COMPACT_HEADER else None
         if found is not None:
@@ -510,6 +513,7 @@ def _json_int_or_zero(text: str) -> int | float:
 # key's value included): NaN and Infinity, numbers past float64's range, a lone surrogate's escape, and nesting
 # of 128 levels or more (its recursion limit).
 _MAX_JSON_DEPTH = 127
+_LONG_NUMBER = re.compile(rb"[0-9]{309}")
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 

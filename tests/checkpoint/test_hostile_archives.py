@@ -215,7 +215,7 @@ def test_a_huge_safetensors_number_is_quoted_short(tmp_path: Path) -> None:
     path = tmp_path / "big.safetensors"
     path.write_bytes(raw_safetensors(header, bytes(4)))
     r = run_bounded("inspect", path, seconds=10)
-    refused(r, "integers from 0 to 2**63 - 1", "characters")
+    refused(r, "number out of range")  # as the reference reader (serde_json) says of it
     assert len(r.stderr) < 400
     # a dimension of 2**63 or more, in a tensor of 0 elements: no .npy (nor torch) could hold it
     edge = tmp_path / "edge.safetensors"

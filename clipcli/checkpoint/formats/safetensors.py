@@ -17,6 +17,16 @@ import numpy as np
 
 from clipcli.checkpoint.atomic import write_data
 from clipcli.checkpoint.formats._common import gc_paused
+from clipcli.checkpoint.formats._strict_json import (
+    LONG_NUMBER,
+    SURROGATE,
+    check_depth,
+    json_float,
+    json_int,
+    json_int_or_zero,
+    no_constant,
+    refuse_lone_surrogates,
+)
 from clipcli.checkpoint.plugin import Finding, Format, defect
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
@@ -225,20 +235,20 @@ def _parse(
         # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
         # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
         # ("-0", and integers of 309 digits or more, which may pass float64's range, take a call each; others none)
-        ints = {"parse_int": _json_int_or_zero} if b"-0" in raw else {}
-        if not ints and _LONG_NUMBER.search(raw):
-            ints = {"parse_int": _json_int}
+        ints = {"parse_int": json_int_or_zero} if b"-0" in raw else {}
+        if not ints and LONG_NUMBER.search(raw):
+            ints = {"parse_int": json_int}
         text = raw.decode("utf-8")
         found = _compact(raw, text, 8 + n) if compact and n <= COMPACT_HEADER else None
         if found is not None:
             return n, *found
         del raw  # (up to 100 MB: not held beside its text and what it parses into)
-        checks = {"parse_constant": _no_constant, "parse_float": _json_float, **ints}
+        checks = {"parse_constant": no_constant, "parse_float": json_float, **ints}
         header = json.loads(text, object_pairs_hook=_object, **checks)
-        if _SURROGATE.search(text):  # an escape of one: a lone one only where Python's JSON did not pair it
-            _refuse_lone_surrogates(header)
+        if SURROGATE.search(text):  # an escape of one: a lone one only where Python's JSON did not pair it
+            refuse_lone_surrogates(header)
         del text
-        _check_depth(header)
+        check_depth(header)
         if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
             header = header.as_json()
     except MalformedError as e:
@@ -502,76 +512,6 @@ def _overflows(shape: list[int], bits: int) -> bool:
         if n >= _U64:
             return True
     return n * bits >= _U64
-
-
-def _json_int_or_zero(text: str) -> int | float:
-    """A JSON integer as the reference reader takes it: "-0" is a float there (-0.0), not an unsigned int."""
-    return -0.0 if text == "-0" else _json_int(text)
-
-
-# What the reference reader (serde_json) refuses where Python's JSON takes it, anywhere in a header (an unknown
-# key's value included): NaN and Infinity, numbers past float64's range, a lone surrogate's escape, and nesting
-# of 128 levels or more (its recursion limit).
-_MAX_JSON_DEPTH = 127
-_LONG_NUMBER = re.compile(rb"[0-9]{309}")
-_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"invalid number {text}")
-
-
-def _json_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"number out of range: {text[:20]}")
-    return value
-
-
-def _json_int(text: str) -> int:
-    value = int(text)
-    if value.bit_length() > 1024:  # past float64's range, where the reference reader takes an integer beyond 64 bits
-        raise ValueError(f"number out of range: {text[:20]}...")
-    return value
-
-
-def _strings(obj: Any) -> Iterator[str]:
-    pending = [obj]
-    while pending:
-        o = pending.pop()
-        if type(o) is str:
-            yield o
-        elif isinstance(o, dict):
-            pending.extend(o)
-            pending.extend(o.values())
-        elif type(o) is list:
-            pending.extend(o)
-
-
-def _refuse_lone_surrogates(header: Any) -> None:
-    """Refuses a lone surrogate in a tensor's object (an unknown key, its value); one in a name or the metadata is
-    refused later, naming it (`reader._checked_text`)."""
-    if not isinstance(header, dict):
-        return
-    entries = [entry for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)]
-    if any(not s.isascii() and _LONE.search(s) for s in _strings(entries)):
-        raise ValueError("a lone surrogate's escape in a tensor's entry")
-
-
-_LONE = re.compile("[\ud800-\udfff]")
-
-
-def _check_depth(header: Any) -> None:
-    """Refuses a header whose objects and arrays nest deeper than the reference reader's limit."""
-    pending = [(header, 1)]
-    while pending:
-        o, depth = pending.pop()
-        if depth > _MAX_JSON_DEPTH:
-            raise MalformedError(f"the header nests objects and arrays deeper than {_MAX_JSON_DEPTH} levels")
-        if isinstance(o, dict):
-            pending.extend((v, depth + 1) for v in o.values() if isinstance(v, (dict, list)))
-        elif type(o) is list:
-            pending.extend((v, depth + 1) for v in o if isinstance(v, (dict, list)))
 
 
 def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:

@@ -1,0 +1,76 @@
+"""JSON as the reference safetensors reader (serde_json) takes it, where Python's `json` is looser: no NaN or
+Infinity, no number past float64's range, no lone surrogate's escape, no nesting of 128 levels or more (its
+recursion limit). Hooks for `json.loads` and checks of what it gives."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from clipcli.errors import MalformedError
+
+MAX_DEPTH = 127
+LONG_NUMBER = re.compile(rb"[0-9]{309}")  # an integer that may pass float64's range (10**308)
+SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # the escape of a surrogate, paired or not
+_LONE = re.compile("[\ud800-\udfff]")  # one Python's JSON left unpaired
+
+
+def no_constant(text: str) -> Any:
+    raise ValueError(f"invalid number {text}")
+
+
+def json_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text[:20]}")
+    return value
+
+
+def json_int(text: str) -> int:
+    value = int(text)
+    if value.bit_length() > 1024:  # past float64's range, where the reference reader takes an integer beyond 64 bits
+        raise ValueError(f"number out of range: {text[:20]}...")
+    return value
+
+
+def json_int_or_zero(text: str) -> int | float:
+    """`json_int`, but "-0", which is a float to the reference reader (-0.0), not an unsigned int."""
+    return -0.0 if text == "-0" else json_int(text)
+
+
+def refuse_lone_surrogates(header: Any) -> None:
+    """Refuses a lone surrogate in a tensor's object (an unknown key, its value); one in a name or the metadata is
+    refused later, naming it (`reader._checked_text`)."""
+    if not isinstance(header, dict):
+        return
+    entries = [entry for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)]
+    if any(not s.isascii() and _LONE.search(s) for s in _strings(entries)):
+        raise ValueError("a lone surrogate's escape in a tensor's entry")
+
+
+def check_depth(header: Any) -> None:
+    """Refuses a header whose objects and arrays nest deeper than the reference reader's limit."""
+    pending = [(header, 1)]
+    while pending:
+        o, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise MalformedError(f"the header nests objects and arrays deeper than {MAX_DEPTH} levels")
+        if isinstance(o, dict):
+            pending.extend((v, depth + 1) for v in o.values() if isinstance(v, (dict, list)))
+        elif type(o) is list:
+            pending.extend((v, depth + 1) for v in o if isinstance(v, (dict, list)))
+
+
+def _strings(obj: Any) -> Iterator[str]:
+    pending = [obj]
+    while pending:
+        o = pending.pop()
+        if type(o) is str:
+            yield o
+        elif isinstance(o, dict):
+            pending.extend(o)
+            pending.extend(o.values())
+        elif type(o) is list:
+            pending.extend(o)

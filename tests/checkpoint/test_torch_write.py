@@ -527,15 +527,20 @@ def test_a_torchscript_archive_is_never_replaced_in_place(tmp_path, suffix):
     ok("clip-global-norm", path, "-o", tmp_path / "sd.pt", "--clip-norm", "1")  # its state dict, elsewhere
 
 
-def _list_file(path: Path, first: object) -> Path:
-    """A torch.save-like archive of {'layers': [first, tensor [1, 2]]}, its pickle written by clipcli's pickler."""
+def _ref(key: str, n: int) -> _torch_pickler.TensorRef:
+    """What clipcli's pickler writes for a float32 tensor of `n` values, the whole of storage `key`."""
     from types import SimpleNamespace
 
-    ref = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
-    ref.key, ref.numel_of_storage = "1", 2
+    ref = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(n,)))  # type: ignore[arg-type]
+    ref.key, ref.numel_of_storage = key, n
+    return ref
+
+
+def _list_file(path: Path, first: object) -> Path:
+    """A torch.save-like archive of {'layers': [first, tensor [1, 2]]}, its pickle written by clipcli's pickler."""
+    ref = _ref("1", 2)
     if first is None:
-        first = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(2,)))  # type: ignore[arg-type]
-        first.key, first.numel_of_storage = "0", 2
+        first = _ref("0", 2)
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("lst/data.pkl", _torch_pickler.Pickler().dump({"layers": [first, ref]}))
         z.writestr("lst/byteorder", "little")
@@ -567,13 +572,8 @@ def _keyed_file(path: Path, parameter: bool) -> Path:
     """A torch.save-like archive of {'w': tensor [1, 2], <tensor [3] or a Parameter of it>: {'m': tensor [4, 5]}}:
     an optimizer's `state`, keyed by the parameters."""
     from collections import OrderedDict
-    from types import SimpleNamespace
 
-    refs = []
-    for key, n in (("0", 2), ("1", 1), ("2", 2)):
-        ref = _torch_pickler.TensorRef(SimpleNamespace(dtype="float32", shape=(n,)))  # type: ignore[arg-type]
-        ref.key, ref.numel_of_storage = key, n
-        refs.append(ref)
+    refs = [_ref("0", 2), _ref("1", 1), _ref("2", 2)]
     key = refs[1]
     if parameter:
         key = _torch_pickler.Call("torch._utils", "_rebuild_parameter", (key, True, OrderedDict()))

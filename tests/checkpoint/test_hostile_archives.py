@@ -217,6 +217,13 @@ def test_a_huge_safetensors_number_is_quoted_short(tmp_path: Path) -> None:
     r = run_bounded("inspect", path, seconds=10)
     refused(r, "number out of range")  # as the reference reader (serde_json) says of it
     assert len(r.stderr) < 400
+    # past Python's int-to-str limit (4,300 digits), in a header laid out as the reference writer lays it out
+    text = '{"a":{"dtype":"F32","shape":[' + "1" * 5000 + '],"data_offsets":[0,4]}}'
+    over = tmp_path / "over.safetensors"
+    over.write_bytes(struct.pack("<Q", len(text)) + text.encode() + bytes(4))
+    r = run_bounded("inspect", over, seconds=10)
+    refused(r, "number out of range")
+    assert "digits" not in r.stderr and len(r.stderr) < 400
     # a dimension of 2**63 or more, in a tensor of 0 elements: no .npy (nor torch) could hold it
     edge = tmp_path / "edge.safetensors"
     edge.write_bytes(raw_safetensors({"a": {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}}))

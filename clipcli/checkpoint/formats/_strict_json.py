@@ -29,6 +29,8 @@ def json_float(text: str) -> float:
 
 
 def json_int(text: str) -> int:
+    if len(text) > 310:  # (a sign and 309 digits at most: 10**309 lies past float64's range; not converted)
+        raise ValueError(f"number out of range: {text[:20]}...")
     value = int(text)
     if value.bit_length() > 1024:  # past float64's range, where the reference reader takes an integer beyond 64 bits
         raise ValueError(f"number out of range: {text[:20]}...")

@@ -232,16 +232,16 @@ def _parse(
     if raw.lstrip(_JSON_SPACE)[:1] != b"{":  # the reference reader takes JSON whitespace before it
         raise _not_safetensors(path, f, "the header does not start with '{'")
     try:
+        text = raw.decode("utf-8")
+        found = _compact(raw, text, 8 + n) if compact and n <= COMPACT_HEADER else None
+        if found is not None:  # (its numbers are digits alone, checked short)
+            return n, *found
         # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
         # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
         # ("-0", and integers of 309 digits or more, which may pass float64's range, take a call each; others none)
         ints = {"parse_int": json_int_or_zero} if b"-0" in raw else {}
         if not ints and LONG_NUMBER.search(raw):
             ints = {"parse_int": json_int}
-        text = raw.decode("utf-8")
-        found = _compact(raw, text, 8 + n) if compact and n <= COMPACT_HEADER else None
-        if found is not None:
-            return n, *found
         del raw  # (up to 100 MB: not held beside its text and what it parses into)
         checks = {"parse_constant": no_constant, "parse_float": json_float, **ints}
         header = json.loads(text, object_pairs_hook=_object, **checks)
@@ -269,7 +269,7 @@ def _parse(
     return n, metadata, header
 
 
-_NUMBER = "(?:0|[1-9][0-9]*)"  # JSON's integers without a sign
+_NUMBER = "(?:0|[1-9][0-9]{0,18})"  # JSON's integers without a sign, below 10**19 (longer: the checking parse)
 _OFFSET = "(?:0|[1-9][0-9]{0,17})"  # and below 10**18, so below MAX_COUNT, also times 8
 _PAIRS = re.compile(rf"(?::\[{_OFFSET},{_OFFSET}\]\}},)*")  # every tensor's data offsets, as a header has them
 _SHAPE = re.compile(rf":\[(?:{_NUMBER}(?:,{_NUMBER})*)?\],")  # the text between "shape" and "data_offsets"

@@ -113,6 +113,8 @@ def _add_ml_dtypes() -> None:
 # bytes. A plain tuple, ordered as the reference reader sorts (by start, then end: an empty tensor before
 # one that starts there); a header may list 10,000 tensors.
 Entry = tuple[int, int, str, Dtype, tuple[int, ...]]
+# The same of every tensor, as five lists: their starts, sizes, names, dtypes and shapes.
+Columns = tuple[list[int], list[int], list[str], list[Dtype], list[tuple[int, ...]]]
 _DATA_ORDER = operator.itemgetter(0, 1)
 
 
@@ -160,8 +162,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], list[Entry]]:
-    """Parses and validates a safetensors header; returns the metadata and the tensors in data order.
+def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], Columns]:
+    """Parses and validates a safetensors header; returns the metadata and the tensors in data order, as columns.
 
     Raises:
         FileTypeError: when the file is evidently something else.
@@ -169,19 +171,31 @@ def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], lis
     """
     n, metadata, header = _parse(path, f, size, compact=True)
     base = 8 + n
-    entries = header if type(header) is list else None  # `_compact`'s
-    if entries is None:
+    if type(header) is tuple:  # `_compact`'s
+        columns = header
+    else:
         entries = [  # (`_entry`, its common case written out: a header may list a million)
             (base + info.begin, info.end - info.begin, name, info.dtype, info.shape)
             if type(info) is _Parsed
             else _checked_entry(path, name, info, base)
             for name, info in header.items()
         ]
-    entries.sort(key=_DATA_ORDER)
-    if not _contiguous(entries, base, size):
-        for error in _layout_defects(path, entries, base, size):
+        columns = tuple(map(list, zip(*entries, strict=True))) if entries else ([], [], [], [], [])
+    columns = _in_data_order(columns)
+    if not _contiguous(columns[0], columns[1], base, size):
+        for error in _layout_defects(path, list(zip(*columns, strict=True)), base, size):
             raise error
-    return metadata, entries
+    return metadata, columns
+
+
+def _in_data_order(columns: Columns) -> Columns:
+    """The columns of entries in data order: as the reference reader sorts them, by start, then end (an empty
+    tensor before one that starts there)."""
+    starts, sizes = columns[0], columns[1]
+    if all(map(operator.lt, starts, starts[1:])):  # (as a writer lays them out)
+        return columns
+    order = sorted(range(len(starts)), key=lambda i: (starts[i], sizes[i]))
+    return tuple([column[i] for i in order] for column in columns)  # type: ignore[return-value]
 
 
 def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
@@ -216,7 +230,7 @@ def findings(path: Path, store: Store = LOCAL) -> list[Finding]:
 
 def _parse(
     path: Path, f: BinaryIO, size: int, compact: bool = False
-) -> tuple[int, dict[str, str], dict[str, Any] | list[Entry]]:
+) -> tuple[int, dict[str, str], dict[str, Any] | Columns]:
     """The header's length, metadata and tensors' objects (unchecked), by the reference rules of the length
     prefix, the JSON and `__metadata__`; with `compact`, the tensors' entries instead where `_compact` reads
     them (well formed, in the header's order)."""
@@ -278,12 +292,12 @@ _HEAD = operator.itemgetter(slice(2))
 _BITS, _NAME, _ARRAY = map(operator.attrgetter, ("bits", "name", "array"))
 
 
-def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], list[Entry]] | None:
-    """The metadata and entries (their data from `base`) of a header (`raw`, decoded as `text`) laid out as the
-    reference writer lays it out: no space but the padding at its end, `__metadata__` (of strings) first if at
-    all, each tensor's object of its three keys in their order, no escape in any string, no key twice; every
-    entry well formed as `_object` checks one. None for any other header, which `_object`'s parse then reads,
-    refuses or names the duplicate key of.
+def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], Columns] | None:
+    """The metadata and entries (their data from `base`; `Columns` in the header's order) of a header (`raw`,
+    decoded as `text`) laid out as the reference writer lays it out: no space but the padding at its end,
+    `__metadata__` (of strings) first if at all, each tensor's object of its three keys in their order, no escape
+    in any string, no key twice; every entry well formed as `_object` checks one. None for any other header,
+    which `_object`'s parse then reads, refuses or names the duplicate key of.
 
     Found in a few passes over all of them, not a call per tensor (a header may list 10,000 tiny ones): with no
     escape, every `"` opens or closes a string, so splitting the text at them gives the strings at odd places
@@ -347,17 +361,15 @@ def _compact(raw: bytes, text: str, base: int) -> tuple[dict[str, str], list[Ent
     # data, so no dimension is 0 and none overflows (see `_checked_entry`)
     if sizes.min() <= 0 or not np.array_equal(bits, 8 * sizes):
         return None
-    shaped = map(alike.__getitem__, shapes)
-    return metadata, list(zip((begins + base).tolist(), sizes.tolist(), names, dtypes, shaped, strict=True))
+    return metadata, ((begins + base).tolist(), sizes.tolist(), names, dtypes, list(map(alike.__getitem__, shapes)))
 
 
-def _contiguous(entries: list[Entry], base: int, size: int) -> bool:
-    """Whether entries (in data order) break none of `_layout_defects`' rules: each starts where the one before
-    ends, the first at `base`, the last ends at `size`."""
-    if not entries:
+def _contiguous(starts: list[int], sizes: list[int], base: int, size: int) -> bool:
+    """Whether entries (in data order: their starts and sizes) break none of `_layout_defects`' rules: each starts
+    where the one before ends, the first at `base`, the last ends at `size`."""
+    if not starts:
         return base == size
-    starts = [e[0] for e in entries]
-    ends = list(map(operator.add, starts, [e[1] for e in entries]))
+    ends = list(map(operator.add, starts, sizes))
     return starts[0] == base and ends[-1] == size and starts[1:] == ends[:-1]
 
 
@@ -384,11 +396,8 @@ def _layout_defects(path: Path, entries: list[Entry], base: int, size: int) -> I
 def open_file(path: Path, store: Store = LOCAL) -> tuple[dict[str, str], list[TensorInfo]]:
     """The metadata and tensors of a .safetensors file, from its header alone."""
     with store.open(path) as f, gc_paused():
-        metadata, entries = read_header(path, f, size_of(f))
-        if not entries:
-            return metadata, []
+        metadata, (starts, sizes, names, dtypes, shapes) = read_header(path, f, size_of(f))
         # (made by maps, in C but for each TensorInfo's __init__: a header may list 10,000 tiny tensors)
-        starts, sizes, names, dtypes, shapes = zip(*entries, strict=True)
         spans = map(tuple.__new__, repeat(Span), zip(starts, repeat(None)))  # Span(start), without a call each
         file = repeat(str(path))
         fields = names, map(_NAME, dtypes), shapes, sizes, file, map(_ARRAY, dtypes), repeat(False), spans

@@ -150,10 +150,11 @@ def _pickles_vetted(before_output: bool) -> Iterator[None]:
                 )
                 if any(opts.UNSAFE_PICKLE_GATE):
                     failed.append((audit.file, calls))
-                    if before_output:
+                    if before_output and not _OPENING_SEVERAL:
                         raise gate()
 
     OPEN_HOOKS.append(vet)
+    _VETTED[:] = [lambda: failed and gate()]
     try:
         yield
     except CheckFailedError:  # another gate failed after the report: the unsafe pickle is the line to show
@@ -162,8 +163,27 @@ def _pickles_vetted(before_output: bool) -> Iterator[None]:
         raise
     finally:
         OPEN_HOOKS.remove(vet)
+        _VETTED.clear()
     if failed:
         raise gate()
+
+
+_OPENING_SEVERAL: list[bool] = []  # a writer opens its inputs (`opening_several`): its gate waits for the last
+_VETTED: list[Any] = []  # the gate's failure of the command running, if any (`_pickles_vetted`)
+
+
+@contextlib.contextmanager
+def opening_several() -> Iterator[None]:
+    """For a writing command that opens several checkpoints before any output: --fail-unsafe-pickle fails once
+    they are all open, naming every unsafe file (as a reading command's gate does), not at the first."""
+    _OPENING_SEVERAL.append(True)
+    try:
+        yield
+    finally:
+        _OPENING_SEVERAL.pop()
+    failure = _VETTED[0]() if _VETTED else None
+    if failure:
+        raise failure
 
 
 def _import_command(command: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from clipcli import cli_options as opts
-from clipcli.cli_app import app, exit_on_gate, handled_errors, selection_of, worker_count
+from clipcli.cli_app import app, exit_on_gate, handled_errors, opening_several, selection_of, worker_count
 from clipcli.cli_output import emit
 from clipcli.cli_output import progress as progress_bar
 
@@ -346,7 +346,8 @@ def _clip_together(
     made = directory is not None and not directory.exists()
     try:
         with contextlib.ExitStack() as stack:
-            opened = [stack.enter_context(open_checkpoint(p)) for p in paths]
+            with opening_several():  # (an unsafe pickle's gate names every unsafe file, before any output)
+                opened = [stack.enter_context(open_checkpoint(p)) for p in paths]
             selection = selection_of(include, exclude, *opened)
             if not prefix_with_file:
                 check_distinct(opened, selection, "clip-global-norm of several checkpoints")

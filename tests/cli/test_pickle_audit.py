@@ -221,6 +221,21 @@ def test_the_gate_line_names_each_unsafe_file(tmp_path: Path, command: str) -> N
     assert "\x1b" not in r.stderr and not (tmp_path / SENTINEL).exists()
 
 
+# found in review: a writer over several unsafe checkpoints stopped at the first, naming only it
+def test_a_writers_gate_names_each_unsafe_file_before_any_output(tmp_path: Path) -> None:
+    pkl = state_dict({"cfg": call("os", "system", f"touch {SENTINEL}", "reduce")})
+    odd = torch_file(tmp_path / "odd.pt", pkl, legacy=False)
+    out = tmp_path / "out"
+    r = run("clip-global-norm", HOSTILE, odd, "-o", out, "--clip-norm", "0.5", "--fail-unsafe-pickle", env=CLEAN)
+    lines = r.stderr.splitlines()
+    assert r.exit_code == 1 and len(lines) == 3, r.output
+    assert lines[1] == f"clipcli: warning: {odd}: torch.load would call os.system (never called here)"
+    assert lines[2].startswith(f"clipcli: error: {HOSTILE}: ") and lines[2].endswith(
+        f"; {odd}: torch.load would call os.system (--fail-unsafe-pickle)"
+    )
+    assert not out.exists() and r.stdout == "" and not (tmp_path / SENTINEL).exists()
+
+
 REPORTERS = {
     "inspect": [],
     "global-norm": [],

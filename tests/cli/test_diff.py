@@ -562,3 +562,20 @@ def test_a_selection_that_leaves_one_side_empty_is_a_usage_error(tmp_path):
     done = run("diff", a, b, "--map", "module.=", "--include", "norm*", "--fail-different")
     assert done.exit_code == 2 and "norm*" in done.output
     assert run("diff", a, b, "--map", "module.=", "--include", "*norm*", "--fail-different").exit_code == 0
+
+
+def test_negative_zero_passes_the_gate_but_is_not_identical(tmp_path) -> None:
+    # the README's rule: --fail-different compares values as numbers; a row's `identical` is its bytes; the CSV's
+    # global row's `identical` is 1 exactly when the gate passes
+    a = write_st(tmp_path / "a.safetensors", {"x": np.array([0.0, 1.0], np.float32)})
+    b = write_st(tmp_path / "b.safetensors", {"x": np.array([-0.0, 1.0], np.float32)})
+    assert run("diff", a, b, "--fail-different", "-q").exit_code == 0
+    row = js("diff", a, b)["tensors"][0]
+    assert row["identical"] is False and row["changed"] == 0
+    lines = ok("diff", a, b, "--format", "csv").stdout.splitlines()
+    header = lines[0].split(",")
+    rows = {r.split(",")[-1]: dict(zip(header, r.split(","), strict=True)) for r in lines[1:]}
+    assert rows["tensor"]["identical"] == "0" and rows["global"]["identical"] == "1"
+    c = write_st(tmp_path / "c.safetensors", {"x": np.array([0.5, 1.0], np.float32)})
+    assert run("diff", a, c, "--fail-different", "-q").exit_code == 1
+    assert ok("diff", a, c, "--format", "csv").stdout.splitlines()[-1].split(",")[-3] == "0"

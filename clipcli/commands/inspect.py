@@ -41,7 +41,7 @@ def listing_fields(
     ckpt: Checkpoint, tensors: list[TensorInfo], files: dict[str, str], sort: str | None, top: int | None
 ) -> dict[str, Any]:
     """The fields of a `Listing` of `tensors` of `ckpt`, each in its file (`files[name]`, else its own)."""
-    from clipcli.report.rows import InspectRow, listed
+    from clipcli.report.listing import InspectRow, listed
 
     rows = [InspectRow(t.name, t.dtype, t.shape, t.nbytes, shown_path(files.get(t.name, t.file))) for t in tensors]
     return {

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 TORCH = "torch.load"
 
 
-@dataclass(frozen=True)
-class PickleAudit:
+class PickleAudit(NamedTuple):
     """What a checkpoint's pickles name and would call (`clipcli.commands.inspect.pickle_audit` builds it).
 
     `fields` is the JSON's `pickle` object, `{"loads_with_weights_only": bool, "globals": [{"name", "use",

@@ -43,8 +43,7 @@ class Group(NamedTuple):
     share: float | None
 
 
-@dataclass(frozen=True)
-class Summary:
+class Summary(NamedTuple):
     """Figures over every selected tensor of a checkpoint, whichever rows --sort and --top show."""
 
     tensors: int

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from clipcli.checkpoint import Checkpoint
+from clipcli.commands.audit import pickle_audit
 from clipcli.commands.gates import exceeds, limit_text
-from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import NormOptions, groups, measure, nonfinite, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import Selection, order, select, shared_storages

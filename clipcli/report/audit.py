@@ -9,7 +9,7 @@ TORCH = "torch.load"
 
 
 class PickleAudit(NamedTuple):
-    """What a checkpoint's pickles name and would call (`clipcli.commands.inspect.pickle_audit` builds it).
+    """What a checkpoint's pickles name and would call (`clipcli.commands.audit.pickle_audit` builds it).
 
     `fields` is the JSON's `pickle` object, `{"loads_with_weights_only": bool, "globals": [{"name", "use",
     "count"}]}`; `unsafe` the globals that `loader` would call beyond its allowlist (what the warning names);

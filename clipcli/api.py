@@ -60,7 +60,7 @@ class CheckpointFile:
     @property
     def pickle(self) -> dict[str, Any] | None:
         """The pickle audit of a pickle-based checkpoint, as `inspect`'s JSON gives it; None for other formats."""
-        from clipcli.commands.inspect import pickle_audit
+        from clipcli.commands.audit import pickle_audit
 
         audit = pickle_audit(self._ckpt)
         return None if audit is None else audit.fields

@@ -58,12 +58,12 @@ class DiffSortKey(str, Enum):
     rel = "rel"
 
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
+_URL = r"[A-Za-z][A-Za-z0-9+.-]+://"  # compiled at the first argument that holds "://"
 
 
 def is_url(path: object) -> bool:
     """Whether a checkpoint argument is a URL (`https://...`, `hf://...`, `s3://...`), which stays text."""
-    return isinstance(path, str) and _URL.match(path) is not None
+    return isinstance(path, str) and "://" in path and re.match(_URL, path) is not None
 
 
 def parse_path(text: str) -> Path:

@@ -54,9 +54,9 @@ lost_reports: list[Exception] = []  # a report `_emit` could not write, raised o
 
 def emit(report: Any, fmt: Format, quiet: bool, report_file: Path | None = None) -> None:
     """The report on stdout in `fmt` (unless `quiet`), and as JSON in `report_file`."""
-    from clipcli.checkpoint.atomic import atomic_write
-
     if report_file is not None:
+        from clipcli.checkpoint.atomic import atomic_write
+
         with atomic_write(report_file) as f:
             f.write(report.to_json().encode("utf-8"))
     if quiet:

@@ -66,17 +66,18 @@ def shown_path(path: str) -> str:
     shortens to `-x.safetensors`) gets its './' again, so that a command line does not take it for an option; a
     URL, which pathlib shortens to `https:/host/...`, its `//` again; an `http(s)://` URL without its query (a
     credential: `split_query`)."""
-    if _HTTP_URL.match(path):
-        return split_query(path)[0]
-    url = _PATH_OF_URL.match(path)
-    if url:
-        return f"{url.group(1)}/{path[url.end() :]}"
+    if ":/" in path:  # a URL, or one pathlib shortened (the patterns are compiled at the first such path)
+        if re.match(_HTTP_URL, path):
+            return split_query(path)[0]
+        url = re.match(_PATH_OF_URL, path)
+        if url:
+            return f"{url.group(1)}/{path[url.end() :]}"
     return f"./{path}" if path.startswith("-") and path != "-" else path
 
 
 # a scheme of one letter would be a Windows drive; `file:/tmp/a` is a file URL as it is
-_PATH_OF_URL = re.compile(r"(?![Ff][Ii][Ll][Ee]:)([A-Za-z][A-Za-z0-9+.-]+:/)(?!/)")
-_HTTP_URL = re.compile(r"[Hh][Tt][Tt][Pp][Ss]?://")
+_PATH_OF_URL = r"(?![Ff][Ii][Ll][Ee]:)([A-Za-z][A-Za-z0-9+.-]+:/)(?!/)"
+_HTTP_URL = r"[Hh][Tt][Tt][Pp][Ss]?://"
 
 
 def _one_line(text: str) -> str:

@@ -11,32 +11,42 @@ or as streams), `defects` (what `verify` finds wrong, by each format's `findings
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from clipcli.checkpoint.atomic import atomic_write
-from clipcli.checkpoint.copy import FileRange, unchanged_range
 from clipcli.checkpoint.decode import as_values, decode, pair_values
-from clipcli.checkpoint.defects import find_defects
 from clipcli.checkpoint.engine import CHUNK_BYTES, map_chunks, run
-from clipcli.checkpoint.pairs import run_pairs
-from clipcli.checkpoint.plugin import Finding, Format, Opened
+from clipcli.checkpoint.plugin import Finding, Format, Opened, Plan
 from clipcli.checkpoint.reader import MAX_NUMPY_DIMS, Checkpoint, c_order, open_checkpoint
 from clipcli.checkpoint.registry import register
 from clipcli.checkpoint.tensor import TensorInfo
-from clipcli.checkpoint.write import (
-    Place,
-    Plan,
-    c_order_blocks,
-    check_output,
-    check_plan,
-    check_report,
-    output_kind,
-    placed,
-    plan,
-    save,
-    shared_in_output,
-    transposed,
-)
+
+# The names of the modules that a command which only reads never needs (writing, copying, verifying, pairs of
+# checkpoints), imported when first asked for (`__getattr__`): each process pays only for what it runs.
+_IMPORTED_WHEN_ASKED = {
+    "atomic_write": "atomic",
+    "FileRange": "copy",
+    "unchanged_range": "copy",
+    "find_defects": "defects",
+    "run_pairs": "pairs",
+    "MAX_LZMA_DICTIONARY": "zipmember",  # zip members are read only from zips
+    **dict.fromkeys(
+        (
+            "Place",
+            "c_order_blocks",
+            "check_output",
+            "check_plan",
+            "check_report",
+            "output_kind",
+            "placed",
+            "plan",
+            "save",
+            "shared_in_output",
+            "transposed",
+        ),
+        "write",
+    ),
+}
 
 __all__ = [
     "CHUNK_BYTES",
@@ -94,8 +104,7 @@ def carried_dtype(t: TensorInfo) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "MAX_LZMA_DICTIONARY":  # imported when asked for: zip members are read only from zips
-        from clipcli.checkpoint.zipmember import MAX_LZMA_DICTIONARY
-
-        return MAX_LZMA_DICTIONARY
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _IMPORTED_WHEN_ASKED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

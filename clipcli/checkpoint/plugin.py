@@ -122,7 +122,7 @@ class Opened(NamedTuple):
     audits: tuple[Any, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one record per format: two are the same format when they are one object
 class Format:
     """A checkpoint format, as its module's `FORMAT` describes it to the registry.
 

@@ -124,7 +124,9 @@ class Copy(NamedTuple):
         return self.window == self.count and all(s == 1 for s in (*self.source, *self.target_strides))
 
 
-@dataclass(frozen=True, eq=False)
+# never changed once made (not frozen: a frozen class costs two more generated methods to create); compared by
+# identity, so a view of a storage is never the same location as another (`shared_once`)
+@dataclass(eq=False)
 class Pieces:
     """A tensor stored in rectangular pieces, each in some file (the chunks of a distributed checkpoint), or
     a view of one storage (a PyTorch slice, transpose or expand: one piece, strided). Its bytes are read in

@@ -12,7 +12,7 @@ import numpy as np
 
 from clipcli.checkpoint import MAX_NUMPY_DIMS, Checkpoint, TensorInfo, shared_in_output
 from clipcli.commands import passes
-from clipcli.commands.inspect import pickle_audit
+from clipcli.commands.audit import pickle_audit
 from clipcli.commands.measure import Measured, check_nonfinite, measure, measured, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, order, select_to_clip, shared_storages

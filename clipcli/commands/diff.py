@@ -12,8 +12,8 @@ import numpy as np
 
 from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout, pair_values
 from clipcli.commands import passes
+from clipcli.commands.audit import pickle_audit
 from clipcli.commands.gates import exceeds, limit_text
-from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import NormOptions
 from clipcli.commands.passes import NO_PROGRESS, PerTensor, Progress, gathered
 from clipcli.commands.select import Selection, floating, order

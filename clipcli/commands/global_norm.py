@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from clipcli.checkpoint import Checkpoint
+from clipcli.commands.audit import pickle_audit
 from clipcli.commands.gates import exceeds, limit_text
-from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import NormOptions, groups, measure, nonfinite, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import Selection, order, select, shared_storages
@@ -18,8 +19,7 @@ from clipcli.report.norms import CheckpointNorms, Combined, NormReport
 from clipcli.report.rows import summarize
 
 
-@dataclass(frozen=True)
-class NormLimits:
+class NormLimits(NamedTuple):
     """The gates of `global-norm`: `fail_above` (a global norm above it or not finite fails), `fail_nonfinite`
     (a selected tensor holding NaN or Inf fails). `fail_above_text`: the limit as the command line gave it,
     for the message."""

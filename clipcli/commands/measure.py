@@ -7,6 +7,7 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -130,8 +131,7 @@ def combined(
     return per_tensor
 
 
-@dataclass
-class Measured:
+class Measured(NamedTuple):
     """The rows of the measured tensors, the skipped ones, the total over all and each tensor's accumulator;
     `repeats` are the names left out of the total as repeats of another (`shared_once`), each to its first."""
 
@@ -139,7 +139,7 @@ class Measured:
     skipped: list[Skipped]
     total: NormAccumulator
     per_tensor: PerTensor
-    repeats: dict[str, str] = field(default_factory=dict)
+    repeats: dict[str, str]
 
 
 def shared_once(tensors: Sequence[TensorInfo]) -> dict[str, str]:

@@ -11,8 +11,8 @@ import numpy as np
 
 from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transposed
 from clipcli.commands import passes
+from clipcli.commands.audit import pickle_audit
 from clipcli.commands.gates import limit_text
-from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, partition, without_values
 from clipcli.core.blocks import is_floating

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from clipcli.checkpoint import Checkpoint, Finding, find_defects, open_checkpoint
 from clipcli.checkpoint.source import Store
+from clipcli.commands.audit import pickle_audit
 from clipcli.commands.hash import HashOptions, hash_checkpoint
-from clipcli.commands.inspect import pickle_audit
 from clipcli.commands.measure import measure, nonfinite_counts
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, select

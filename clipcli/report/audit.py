@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 TORCH = "torch.load"
 
 
-@dataclass(frozen=True)
-class PickleAudit:
-    """What a checkpoint's pickles name and would call (`clipcli.commands.inspect.pickle_audit` builds it).
+class PickleAudit(NamedTuple):
+    """What a checkpoint's pickles name and would call (`clipcli.commands.audit.pickle_audit` builds it).
 
     `fields` is the JSON's `pickle` object, `{"loads_with_weights_only": bool, "globals": [{"name", "use",
     "count"}]}`; `unsafe` the globals that `loader` would call beyond its allowlist (what the warning names);

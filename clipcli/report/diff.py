@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from clipcli.errors import printable, shown_path
 from clipcli.report.audit import PickleAudit, add_audit, audit_lines
@@ -53,8 +53,7 @@ class DiffRow:
         return cls(a.name, a.shape, a.dtype, b.dtype, a.nbytes, identical, changed=changed, reason=reason)
 
 
-@dataclass(frozen=True)
-class DiffGroup:
+class DiffGroup(NamedTuple):
     """Compared tensors whose names share their first N dot-separated parts."""
 
     name: str
@@ -67,8 +66,7 @@ class DiffGroup:
     cosine: float | None = None
 
 
-@dataclass(frozen=True)
-class Mismatch:
+class Mismatch(NamedTuple):
     """A name in both checkpoints whose tensors cannot be compared (shapes differ, no values)."""
 
     name: str

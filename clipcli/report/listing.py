@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from clipcli.errors import shown_path
 from clipcli.report.audit import PickleAudit, add_audit, audit_lines
 from clipcli.report.render import SCHEMA, Report, cell, plural, shape_text, shared_lines, showing, size, table
-from clipcli.report.rows import InspectRow, Skipped, Summary
+from clipcli.report.rows import Skipped, Summary
+
+
+@dataclass(frozen=True)
+class InspectRow:
+    """One listed tensor: what its header says, and the file that holds it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+def listed(rows: Sequence[InspectRow]) -> Summary:
+    """The summary of listed rows: how many tensors and their elements (parameters), how many pickled objects
+    (an .npz's object arrays, whose items are Python objects, not parameters), and the bytes of all."""
+    tensors = [r for r in rows if r.dtype != "object"]
+    return Summary(
+        len(tensors),
+        elements=sum(r.elements for r in tensors),
+        nbytes=sum(r.nbytes for r in rows),
+        objects=len(rows) - len(tensors),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

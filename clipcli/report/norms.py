@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from clipcli.errors import shown_path
 from clipcli.report.audit import PickleAudit, add_audit, audit_lines, several_audit_lines
@@ -163,8 +163,7 @@ class CheckpointNorms(Norms):
         return lines + table(["group", "tensors", "norm", "share"], rows, right=(1, 2))
 
 
-@dataclass(frozen=True)
-class Combined:
+class Combined(NamedTuple):
     """`global-norm --combined`: one global norm over the selected tensors of all the checkpoints, as if
     concatenated, and each checkpoint's share of its norm**p (None for the inf-norm)."""
 

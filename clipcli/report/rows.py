@@ -1,4 +1,4 @@
-"""The rows and summaries the reports share: a tensor's norms, a skipped tensor, a group, a listed tensor."""
+"""The rows and summaries the reports share: a tensor's norms, a skipped tensor, a group."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(unsafe_hash=True)  # never changed once made; not frozen: made per tensor, 4 times as fast
@@ -25,8 +26,7 @@ class TensorRow:
     max_abs_after: float | None = None
 
 
-@dataclass(frozen=True)
-class Skipped:
+class Skipped(NamedTuple):
     """A tensor left out of the norms (and passed through unchanged by the clip commands)."""
 
     name: str
@@ -34,8 +34,7 @@ class Skipped:
     reason: str
 
 
-@dataclass(frozen=True)
-class Group:
+class Group(NamedTuple):
     """Tensors whose names share their first N dot-separated parts."""
 
     name: str
@@ -44,23 +43,7 @@ class Group:
     share: float | None
 
 
-@dataclass(frozen=True)
-class InspectRow:
-    """One listed tensor: what its header says, and the file that holds it."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    file: str
-
-    @property
-    def elements(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class Summary:
+class Summary(NamedTuple):
     """Figures over every selected tensor of a checkpoint, whichever rows --sort and --top show."""
 
     tensors: int
@@ -90,18 +73,6 @@ def summarize(rows: Sequence[TensorRow], max_abs_after: float | None = None) -> 
         elements=sum(map(math.prod, map(_SHAPE, rows))),
         nbytes=sum(map(_NBYTES, rows)),
         nonfinite=tuple(r for r in rows if r.nan or r.inf) if nan or inf else (),
-    )
-
-
-def listed(rows: Sequence[InspectRow]) -> Summary:
-    """The summary of listed rows: how many tensors and their elements (parameters), how many pickled objects
-    (an .npz's object arrays, whose items are Python objects, not parameters), and the bytes of all."""
-    tensors = [r for r in rows if r.dtype != "object"]
-    return Summary(
-        len(tensors),
-        elements=sum(r.elements for r in tensors),
-        nbytes=sum(r.nbytes for r in rows),
-        objects=len(rows) - len(tensors),
     )
 
 

@@ -55,8 +55,16 @@ HEAVY = (
     "clipcli.report.progress",
 )
 # what only other commands use: the array operations and differences (their record types cost start-up), inspect's
-# listing
-NOT_FOR_NORMS = ("clipcli.core.ops", "clipcli.core.differences", "clipcli.report.listing")
+# listing and the inspect command (with its options class), what writes and verifies checkpoints
+NOT_FOR_NORMS = (
+    "clipcli.core.ops",
+    "clipcli.core.differences",
+    "clipcli.report.listing",
+    "clipcli.commands.inspect",
+    "clipcli.checkpoint.write",
+    "clipcli.checkpoint.defects",
+    "shlex",
+)
 
 
 def started(*args: object, heavy: tuple[str, ...] = HEAVY) -> dict:
@@ -79,7 +87,8 @@ def test_a_json_global_norm_imports_only_what_it_draws_and_builds_one_command(tm
     assert json.loads(run["stdout"])["checkpoints"][0]["global_norm"] == float(np.sqrt(55 + 3))
     assert run["heavy"] == []
     # found profiling the same run: the core's package imported the differences and the operations, and every
-    # command the listing of inspect (with `pickle_audit`), for no use
+    # command the listing of inspect (with `pickle_audit`), for no use; and the checkpoint package its writing side,
+    # every command inspect's module (for `pickle_audit`, now in `commands.audit`)
     assert started("global-norm", path, "--format", "json", heavy=NOT_FOR_NORMS)["heavy"] == []
     assert run["built"] == 1
 

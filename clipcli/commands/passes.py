@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.checkpoint import Checkpoint, TensorInfo, run, run_pairs
+from clipcli.checkpoint import Checkpoint, TensorInfo, run
 from clipcli.core.blocks import BLOCK
 
 
@@ -51,6 +51,8 @@ def run_pass(
     blocks of `BLOCK` values, so that a pair's blocks are summed as the array's are.
     """
     if isinstance(source, tuple):
+        from clipcli.checkpoint.pairs import run_pairs
+
         return run_pairs(source, items, make_kernel, jobs, BLOCK, progress.advance)
     kernel = make_kernel()  # (cheap: a kernel holds only what its chunks add up)
     if getattr(kernel, "ordered", False):

@@ -4,6 +4,7 @@ recursion limit). Hooks for `json.loads` and checks of what it gives."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -12,9 +13,30 @@ from typing import Any
 from clipcli.errors import MalformedError
 
 MAX_DEPTH = 127
-LONG_NUMBER = re.compile(rb"[0-9]{309}")  # an integer that may pass float64's range (10**308)
+LONG_NUMBER = re.compile(r"[0-9]{309}")  # an integer that may pass float64's range (10**308)
 SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # the escape of a surrogate, paired or not
 _LONE = re.compile("[\ud800-\udfff]")  # one Python's JSON left unpaired
+
+
+def loads(text: str, object_pairs_hook: Any) -> Any:
+    """`json.loads` of a header held to the reference reader's rules: no NaN or Infinity, no number past float64's
+    range, "-0" a float (-0.0, which a shape or offset refuses), no lone surrogate in a tensor's entry, no nesting
+    deeper than MAX_DEPTH.
+
+    Raises:
+        ValueError, RecursionError: where the text breaks one (as `json.loads` raises).
+        MalformedError: for nesting too deep.
+    """
+    # ("-0", and integers of 309 digits or more, which may pass float64's range, take a call each; others none)
+    ints = {"parse_int": json_int_or_zero} if "-0" in text else {}
+    if not ints and LONG_NUMBER.search(text):
+        ints = {"parse_int": json_int}
+    checks = {"parse_constant": no_constant, "parse_float": json_float, **ints}
+    header = json.loads(text, object_pairs_hook=object_pairs_hook, **checks)
+    if SURROGATE.search(text):  # an escape of one: a lone one only where Python's JSON did not pair it
+        refuse_lone_surrogates(header)
+    check_depth(header)
+    return header
 
 
 def no_constant(text: str) -> Any:

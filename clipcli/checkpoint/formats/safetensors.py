@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import math
 import operator
 import re
@@ -15,18 +14,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from clipcli.checkpoint.atomic import write_data
 from clipcli.checkpoint.formats._common import gc_paused
-from clipcli.checkpoint.formats._strict_json import (
-    LONG_NUMBER,
-    SURROGATE,
-    check_depth,
-    json_float,
-    json_int,
-    json_int_or_zero,
-    no_constant,
-    refuse_lone_surrogates,
-)
 from clipcli.checkpoint.plugin import Finding, Format, defect
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import MAX_COUNT, Span, TensorInfo
@@ -250,19 +238,11 @@ def _parse(
         found = _compact(raw, text, 8 + n) if compact and n <= COMPACT_HEADER else None
         if found is not None:  # (its numbers are digits alone, checked short)
             return n, *found
-        # "-0" is 0 to Python's JSON and a float to the reference reader, which refuses it in a shape or
-        # offset: read as -0.0 it is refused here too (a rare second look, only when "-0" appears at all)
-        # ("-0", and integers of 309 digits or more, which may pass float64's range, take a call each; others none)
-        ints = {"parse_int": json_int_or_zero} if b"-0" in raw else {}
-        if not ints and LONG_NUMBER.search(raw):
-            ints = {"parse_int": json_int}
+        from clipcli.checkpoint.formats import _strict_json  # (the rules of any other header, by the checking parse)
+
         del raw  # (up to 100 MB: not held beside its text and what it parses into)
-        checks = {"parse_constant": no_constant, "parse_float": json_float, **ints}
-        header = json.loads(text, object_pairs_hook=_object, **checks)
-        if SURROGATE.search(text):  # an escape of one: a lone one only where Python's JSON did not pair it
-            refuse_lone_surrogates(header)
+        header = _strict_json.loads(text, _object)
         del text
-        check_depth(header)
         if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
             header = header.as_json()
     except MalformedError as e:
@@ -413,6 +393,8 @@ def write(
     store: Store = LOCAL,
 ) -> None:
     """Writes a header for the tensors, then their data in C order, in the order given."""
+    from clipcli.checkpoint.atomic import write_data  # (the writing side: not imported by a run that only reads)
+
     f.write(header(tensors, metadata))
     for t in tensors:
         expect(t, write_data(f, chunks(t)))
@@ -495,6 +477,8 @@ def _checked_entry(path: Path, name: str, info: Any, base: int) -> Entry:
 
 def _shown(value: Any) -> str:
     """A header's value as JSON, cut short (a number may have 4,000 digits)."""
+    import json  # (for a message: a run that reads a well-formed header does not import it)
+
     text = json.dumps(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
@@ -532,6 +516,8 @@ def header_bytes(entries: Sequence[tuple[str, Dtype, tuple[int, ...], int]], met
     for name, dtype, shape, nbytes in entries:
         header[name] = {"dtype": dtype.code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
+    import json  # (the writing side: not imported by a run that only reads)
+
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # as the reference writer does: data starts 8-byte aligned
     return struct.pack("<Q", len(raw)) + raw

@@ -439,15 +439,15 @@ class StatsAccumulator:
 
     def _cast_readiness(self, t: str) -> CastReadiness:
         overflow, flush, subnormal = self._readiness[t]
-        kept = ExactSum.of(self._base.acc, self._base.low)
-        kept.merge(self._above[t])
-        error = self._errors[t]
-        if not kept.acc:
+        base, above, error = self._base, self._above[t], self._errors[t]
+        low = min(base.low, above.low)
+        kept = (base.acc << (base.low - low)) + (above.acc << (above.low - low))  # their exact sum, times 2**low
+        if not kept:
             rel = None
         elif not error.acc:
             rel = 0.0
         else:
-            rel = ldexp(*int_root(*int_quotient(error.acc, error.low, kept.acc, kept.low), 2.0))
+            rel = ldexp(*int_root(*int_quotient(error.acc, error.low, kept, low), 2.0))
         return CastReadiness(t, overflow, flush, subnormal, rel)
 
     # --- results ------------------------------------------------------------------------------------
@@ -458,7 +458,7 @@ class StatsAccumulator:
             return (), 0
         bins = self._bins.copy()
         bins[_OFFSET] -= self.zeros + self.nan + self.posinf + self.neginf  # all 0 to frexp: its exponent 0
-        used = np.flatnonzero(bins)
+        used = bins.nonzero()[0]
         pairs = tuple(zip((used - (_OFFSET + 1)).tolist(), bins[used].tolist(), strict=True))
         smallest = smallest_exponent(self._part)
         return pairs, sum(n for e, n in pairs if e < smallest)

@@ -19,6 +19,7 @@
  *   are then of no use.
  * stats_f32(x, out, errors, start[, wide]): the statistics of float32 values, exact where they are counts and
  *   sums, added into `out` (int64); float64 rows of nine sums per block into `errors` (see stats_f32's section).
+ * exact_columns(sums, cols) -> list: the exact sum of each column of stats_f32's error rows, as (integer, exponent).
  * crc32(data[, value[, level]]) -> int: zlib.crc32(data, value), of any buffer, by carry-less multiplication
  *   where the machine has it (see crc32's section; CRC32_LEVEL says which loop it runs).
  * All release the GIL while they run (crc32 from 4 KiB on).
@@ -943,6 +944,86 @@ static PyObject *stats_f32(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* exact_columns(sums, cols) -> list: per column of a C-order float64 array of `cols` columns (non-negative
+ * finite terms: stats_f32's error rows), its exact sum as (integer, exponent), the sum being integer *
+ * 2**exponent; None for a column whose non-zero terms lie more than COLUMN_SPREAD binades apart (or that
+ * holds a negative or non-finite term): the caller adds those another way. Each term is its 53-bit
+ * significand shifted to the column's least exponent, added in 128 bits: below 2**(53 + 50 + 19), exact for
+ * fewer than 2**19 rows (what a tensor's accumulator folds at most: 64 calls of 2**13 blocks). */
+#define COLUMN_SPREAD 50
+#define COLUMN_ROWS ((Py_ssize_t)1 << 19)
+
+static PyObject *exact_column(const double *a, Py_ssize_t rows, Py_ssize_t cols) {
+    int least = 1 << 30, most = -(1 << 30);
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        uint64_t b;
+        memcpy(&b, a + r * cols, sizeof b);
+        if (b >> 52 >= 0x7FF) /* negative (the sign bit) or not finite */
+            Py_RETURN_NONE;
+        int e = (int)(b >> 52) ? (int)(b >> 52) - 1075 : -1074;
+        if (b) {
+            least = e < least ? e : least;
+            most = e > most ? e : most;
+        }
+    }
+    if (most < least) /* all zero */
+        return Py_BuildValue("(ii)", 0, 0);
+    if (most - least > COLUMN_SPREAD)
+        Py_RETURN_NONE;
+    unsigned __int128 acc = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        uint64_t b;
+        memcpy(&b, a + r * cols, sizeof b);
+        if (!b)
+            continue;
+        uint64_t m = b & (((uint64_t)1 << 52) - 1);
+        int e = -1074;
+        if (b >> 52) {
+            m |= (uint64_t)1 << 52;
+            e = (int)(b >> 52) - 1075;
+        }
+        acc += (unsigned __int128)m << (e - least);
+    }
+    PyObject *high = PyLong_FromUnsignedLongLong((unsigned long long)(acc >> 64));
+    PyObject *low = PyLong_FromUnsignedLongLong((unsigned long long)acc);
+    PyObject *shift = PyLong_FromLong(64), *shifted = NULL, *total = NULL;
+    if (high && low && shift && (shifted = PyNumber_Lshift(high, shift)) != NULL)
+        total = PyNumber_Or(shifted, low);
+    Py_XDECREF(high);
+    Py_XDECREF(low);
+    Py_XDECREF(shift);
+    Py_XDECREF(shifted);
+    if (total == NULL)
+        return NULL;
+    PyObject *pair = Py_BuildValue("(Ni)", total, least);
+    return pair;
+}
+
+static PyObject *exact_columns(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t cols;
+    if (!PyArg_ParseTuple(args, "On", &obj, &cols))
+        return NULL;
+    Py_buffer v;
+    if (get_buffer(obj, &v, "d", 0) < 0)
+        return NULL;
+    Py_ssize_t n = v.len / 8;
+    PyObject *out = NULL;
+    if (cols <= 0 || n % cols != 0 || n / cols >= COLUMN_ROWS)
+        PyErr_SetString(PyExc_ValueError, "exact_columns takes whole rows of `cols` float64 terms, fewer than 2**19");
+    else if ((out = PyList_New(cols)) != NULL)
+        for (Py_ssize_t j = 0; j < cols; j++) {
+            PyObject *pair = exact_column((const double *)v.buf + j, n / cols, cols);
+            if (pair == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, j, pair);
+        }
+    PyBuffer_Release(&v);
+    return out;
+}
+
 /* The buffer format of a kind of values; NULL (an error set) for no kind. */
 static const char *kind_format(int kind) {
     if (kind < 0 || kind > 2) {
@@ -1219,6 +1300,9 @@ static PyMethodDef methods[] = {
      "stats_f32(x, out, errors, start, wide=True): counts, exact sums per exponent and cast counts of float32 "
      "values added into out (int64, STATS_LEN); per block, nine float64 sums into errors (see clipcli/_fused.c); "
      "wide=False: the generic loop alone, not AVX-512's (the same bits, for the tests)."},
+    {"exact_columns", exact_columns, METH_VARARGS,
+     "exact_columns(sums, cols) -> list: per column of non-negative float64 terms, its exact sum as (integer, "
+     "exponent); None for a column spread over more than 50 binades (see clipcli/_fused.c)."},
     {"crc32", crc32, METH_VARARGS,
      "crc32(data, value=0, level=2) -> int: zlib.crc32(data, value), by carry-less multiplication where the "
      "machine has it; level caps the loop used: 2 VPCLMULQDQ's, 1 PCLMULQDQ's, 0 the tables' (for the tests)."},

@@ -16,12 +16,11 @@ from clipcli.commands.gates import limit_text
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, partition, without_values
 from clipcli.core.blocks import is_floating
-from clipcli.core.stats import CAST_TARGETS, StatsAccumulator, TensorStats, default_casts
+from clipcli.core.stats import CAST_NAMES, StatsAccumulator, TensorStats, default_casts
 from clipcli.errors import CheckFailedError, UsageError, printable
 from clipcli.report.render import plural
 from clipcli.report.stats import CheckpointStats, StatsReport, StatsRow, group, summarize
 
-CAST_NAMES = tuple(t.name for t in CAST_TARGETS)
 SORT_KEYS = ("name", "size", "max_abs", "std", "zeros", "nonfinite", "overflow")
 
 
@@ -76,12 +75,12 @@ def check_casts(names: Sequence[str], param: str) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=256)  # asked per tensor: few dtypes
-def cast_targets(dtype: np.dtype, casts: tuple[str, ...] | None, also: tuple[str, ...]) -> tuple[np.dtype, ...]:
-    """The targets a tensor of `dtype` is cast to, in `CAST_TARGETS` order (none for integer and bool tensors)."""
+def cast_targets(dtype: np.dtype, casts: tuple[str, ...] | None, also: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets a tensor of `dtype` is cast to, in `CAST_NAMES` order (none for integer and bool tensors)."""
     if not (is_floating(dtype) or dtype.kind == "c"):
         return ()
-    chosen = {t.name for t in default_casts(dtype)} if casts is None else set(casts)
-    return tuple(t for t in CAST_TARGETS if t.name in chosen or t.name in also)
+    chosen = set(default_casts(dtype) if casts is None else casts)
+    return tuple(t for t in CAST_NAMES if t in chosen or t in also)
 
 
 class StatsKernel:

@@ -309,6 +309,12 @@ def fused_stats(x: np.ndarray, out: np.ndarray, start: int) -> np.ndarray | None
     return errors
 
 
+def fused_exact_columns(sums: np.ndarray) -> list[tuple[int, int] | None]:
+    """Per column of `fused_stats`' error rows (non-negative float64 terms, `_fused` built), its exact sum as
+    (integer, exponent); None for a column whose terms lie too far apart for `_fused.exact_columns`."""
+    return _fused.exact_columns(np.ascontiguousarray(sums), sums.shape[1])
+
+
 def fused_stats_ready(dtype: np.dtype) -> bool:
     """Whether `fused_stats` takes values of `dtype` (`_fused` built, and float32 in native order)."""
     return _fused is not None and dtype == np.float32

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from clipcli.core.blocks import (
@@ -17,13 +17,14 @@ from clipcli.core.blocks import (
     STATS_SUBNORMAL,
     BlockParts,
     as_tensor,
+    fused_exact_columns,
     fused_stats,
     fused_stats_ready,
     fused_stats_state,
     is_floating,
     widen,
 )
-from clipcli.core.casts import CAST_TARGETS, cast, cast_counts, error_sums, precision
+from clipcli.core.casts import CAST_NAMES, TARGETS, cast, cast_counts, error_sums, precision, smallest_exponent
 from clipcli.core.exact import ExactSum, add_columns, add_signed, int_quotient, int_root, ldexp, signed
 
 # `_fused.stats_f32`'s running counts are folded in before its int64 sums could overflow (2**39 values), and
@@ -35,12 +36,16 @@ _FOLD_CALLS = 64
 _OFFSET = 1100
 _BINS = 2200
 
+# The accumulator's exact sums, and those it keeps per cast target (pickled as (integer, exponent) pairs).
+_SUMS = ("_sum", "_sum_neg", "_squares", "_base")
+_SUMS_PER_TARGET = ("_errors", "_above")
+
 
 @dataclass(frozen=True)
 class CastReadiness:
     """What a cast to a narrower float with round-to-nearest-even would do to a tensor's finite values."""
 
-    dtype: str  # the target: float16, bfloat16, float8_e4m3fn or float8_e5m2
+    dtype: str  # the target: float16, bfloat16, float8_e4m3fn or float8_e5m2 (`CAST_NAMES`)
     overflow: int  # finite values that would become inf or NaN (saturate, for a type without inf)
     flush: int  # non-zero values that would become zero
     subnormal: int  # values that would land subnormal (non-zero, below the target's smallest normal)
@@ -82,12 +87,13 @@ class TensorStats:
     casts: tuple[CastReadiness, ...]
 
 
-def default_casts(dtype: Any) -> tuple[np.dtype, ...]:
-    """The cast targets narrower than `dtype` (of a complex dtype: than its parts); none for other dtypes."""
+def default_casts(dtype: Any) -> tuple[str, ...]:
+    """The names of the cast targets narrower than `dtype` (of a complex dtype: than its parts); none for other
+    dtypes."""
     part = _part_dtype(np.dtype(dtype))
     if not is_floating(part):
         return ()
-    return tuple(t for t in CAST_TARGETS if t.itemsize < part.itemsize)
+    return tuple(name for name, t in TARGETS.items() if t.itemsize < part.itemsize)
 
 
 class StatsAccumulator:
@@ -106,19 +112,18 @@ class StatsAccumulator:
 
     Args:
         dtype: the tensor's dtype: bool, integer, floating (ml_dtypes' too) or complex.
-        casts: the cast targets (names or dtypes, from `CAST_TARGETS`); None for `default_casts(dtype)`.
+        casts: the cast targets (names or dtypes, among `CAST_NAMES`); None for `default_casts(dtype)`.
     """
 
     def __init__(self, dtype: Any, casts: Any = None) -> None:
-        self.dtype = np.dtype(dtype).newbyteorder("=")
+        self.dtype = _native(np.dtype(dtype))
         self._part = _part_dtype(self.dtype)
         if not (is_floating(self._part) or self._part.kind in "biu"):
             raise TypeError(f"no statistics for tensors of dtype {self.dtype}")
         self._floating = is_floating(self._part)
-        targets = default_casts(self.dtype) if casts is None else tuple(np.dtype(t) for t in casts)
-        if any(t not in CAST_TARGETS for t in targets):
-            names = [t.name for t in CAST_TARGETS]
-            raise ValueError(f"cast targets are among {names}, got {[str(t) for t in targets]}")
+        targets = default_casts(self.dtype) if casts is None else tuple(map(_target_name, casts))
+        if any(t not in TARGETS for t in targets):
+            raise ValueError(f"cast targets are among {list(CAST_NAMES)}, got {list(targets)}")
         self.targets = targets if self._floating else ()
         self.count = 0
         self.nan = self.posinf = self.neginf = self.zeros = 0
@@ -168,9 +173,28 @@ class StatsAccumulator:
             self._add_floats(flat[a : min(a + step, head + full)], start + a, whole=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        """The state to pickle (a worker's, sent to its parent): `_fused`'s running counts folded in first."""
+        """The state to pickle (a worker's, sent to its parent): `_fused`'s running counts folded in first; the
+        exponent bins as the few that are used and the exact sums as (integer, exponent) pairs (2,200 bins were 17
+        KiB a tensor; 18 `ExactSum` objects took most of the time a worker's ~150 accumulators took to pickle)."""
         self._fold()
-        return self.__dict__
+        used = np.flatnonzero(self._bins)
+        lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
+        state = {**self.__dict__, "_bins": (lo, self._bins[lo:hi].tobytes())}
+        for name in _SUMS:
+            state[name] = (state[name].acc, state[name].low)
+        for name in _SUMS_PER_TARGET:
+            state[name] = [(total.acc, total.low) for total in state[name].values()]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        lo, counts = state["_bins"]
+        state["_bins"] = np.zeros(_BINS, np.int64)
+        state["_bins"][lo : lo + len(counts) // 8] = np.frombuffer(counts, np.int64)
+        for name in _SUMS:
+            state[name] = ExactSum.of(*state[name])
+        for name in _SUMS_PER_TARGET:
+            state[name] = {t: ExactSum.of(*pair) for t, pair in zip(state["targets"], state[name], strict=True)}
+        self.__dict__.update(state)
 
     def merge(self, other: StatsAccumulator) -> None:
         """Adds the values of the same tensor that `other` has seen (another worker's chunks).
@@ -209,7 +233,7 @@ class StatsAccumulator:
             self._add_block_errors(x)
         exponents, subnormals = self._exponents()
         return TensorStats(
-            dtype=self.dtype.name,
+            dtype=_name(self.dtype),
             count=self.count,
             min=self._min,
             max=self._max,
@@ -290,17 +314,24 @@ class StatsAccumulator:
         self._bins[_OFFSET - 125 : _OFFSET + 129] += out[1:255]  # float32's exponent fields 1-254
         self._bins[_OFFSET - 148 : _OFFSET - 125] += out[STATS_SUBNORMAL:STATS_SCALARS]
         self._bins[_OFFSET] += zeros + nan + posinf + neginf  # as frexp gives them, for `_exponents`
-        for e in np.flatnonzero(out[:255] | out[256:511] | out[512:767] | out[768:1023]).tolist():  # sums may lie apart
-            unit = max(e, 1) - 150  # a value is its significand times 2**unit
-            total = int(out[256 + e])
+        used = np.flatnonzero(out[:255] | out[256:511] | out[512:767] | out[768:1023])  # (sums may lie apart)
+        if used.size:  # a value is its significand times 2**unit, unit = max(E, 1) - 150: the sums as one integer
+            least = max(int(used[0]), 1) - 150
+            total = squares = 0
+            wide = out.view(np.uint64)
+            sums, lows, highs = out[256 + used].tolist(), wide[512 + used].tolist(), wide[768 + used].tolist()
+            for e, s, low, high in zip(used.tolist(), sums, lows, highs, strict=True):
+                shift = max(e, 1) - 150 - least
+                total += s << shift
+                squares += (high << 64 | low) << 2 * shift
             if total >= 0:
-                self._sum.add_int(total, unit)
+                self._sum.add_int(total, least)
             else:
-                self._sum_neg.add_int(-total, unit)
-            self._squares.add_int((int(out[768 + e]) % 2**64) << 64 | int(out[512 + e]) % 2**64, 2 * unit)
+                self._sum_neg.add_int(-total, least)
+            self._squares.add_int(squares, 2 * least)
         casts = out[STATS_SCALARS + 9 :].reshape(-1, 3)
         for t in self.targets:
-            i = CAST_TARGETS.index(t)
+            i = CAST_NAMES.index(t)
             self._readiness[t] = [a + int(b) for a, b in zip(self._readiness[t], casts[i], strict=True)]
 
     def _count_nonfinite(self, w: np.ndarray, start: int) -> tuple[np.ndarray, int]:
@@ -384,9 +415,19 @@ class StatsAccumulator:
             self._add_error_sums(*error_sums(x, [cast(x, t) for t in self.targets]))
 
     def _add_fused_errors(self, errors: np.ndarray) -> None:
-        """Adds the error sums of `_fused.stats_f32` (nine per block: its targets are `CAST_TARGETS`)."""
-        columns = np.array([CAST_TARGETS.index(t) for t in self.targets], np.intp)
-        self._add_error_sums(errors[:, 0], errors[:, 1 + columns], errors[:, 5 + columns])
+        """Adds the error sums of `_fused.stats_f32` (nine per block: its targets are `CAST_NAMES`), each column's
+        exact sum taken by `_fused.exact_columns` (a tenth of `add_columns`' time on a tensor's few hundred rows)."""
+        if not self.targets:
+            return
+        if self.targets != CAST_NAMES:  # the columns of the targets measured, as `_add_error_sums` stacks them
+            columns = np.array([CAST_NAMES.index(t) for t in self.targets], np.intp)
+            errors = np.column_stack([errors[:, 0], errors[:, 1 + columns], errors[:, 5 + columns]])
+        totals = [self._base, *self._errors.values(), *self._above.values()]
+        for j, (total, exact) in enumerate(zip(totals, fused_exact_columns(errors), strict=True)):
+            if exact is None:  # terms too far apart for 128 bits
+                add_columns([total], errors[:, j : j + 1])
+            else:
+                total.add_int(*exact)
 
     def _add_error_sums(self, base: np.ndarray, errors: np.ndarray, above: np.ndarray) -> None:
         """Adds blocks' sums of x² up to 464, and per target (a column each) of (x − cast(x))² and of the x²
@@ -396,18 +437,18 @@ class StatsAccumulator:
         totals = [self._base, *(self._errors[t] for t in self.targets), *(self._above[t] for t in self.targets)]
         add_columns(totals, np.column_stack([base, errors, above]))
 
-    def _cast_readiness(self, t: np.dtype) -> CastReadiness:
+    def _cast_readiness(self, t: str) -> CastReadiness:
         overflow, flush, subnormal = self._readiness[t]
-        kept = ExactSum.of(self._base.acc, self._base.low)
-        kept.merge(self._above[t])
-        error = self._errors[t]
-        if not kept.acc:
+        base, above, error = self._base, self._above[t], self._errors[t]
+        low = min(base.low, above.low)
+        kept = (base.acc << (base.low - low)) + (above.acc << (above.low - low))  # their exact sum, times 2**low
+        if not kept:
             rel = None
         elif not error.acc:
             rel = 0.0
         else:
-            rel = ldexp(*int_root(*int_quotient(error.acc, error.low, kept.acc, kept.low), 2.0))
-        return CastReadiness(t.name, overflow, flush, subnormal, rel)
+            rel = ldexp(*int_root(*int_quotient(error.acc, error.low, kept, low), 2.0))
+        return CastReadiness(t, overflow, flush, subnormal, rel)
 
     # --- results ------------------------------------------------------------------------------------
 
@@ -417,9 +458,9 @@ class StatsAccumulator:
             return (), 0
         bins = self._bins.copy()
         bins[_OFFSET] -= self.zeros + self.nan + self.posinf + self.neginf  # all 0 to frexp: its exponent 0
-        used = np.flatnonzero(bins)
-        pairs = tuple((int(b) - _OFFSET - 1, int(bins[b])) for b in used)
-        smallest = math.frexp(float(ml_dtypes.finfo(self._part).smallest_normal))[1] - 1
+        used = bins.nonzero()[0]
+        pairs = tuple(zip((used - (_OFFSET + 1)).tolist(), bins[used].tolist(), strict=True))
+        smallest = smallest_exponent(self._part)
         return pairs, sum(n for e, n in pairs if e < smallest)
 
     def _exact_sums(self) -> tuple[int, int, int, int]:
@@ -526,6 +567,23 @@ def _peak_of(lo: float | int, hi: float | int, i_lo: int, i_hi: int) -> tuple[fl
     if hi > -lo or (hi == -lo and i_hi < i_lo):
         return abs(hi), i_hi
     return abs(lo), i_lo
+
+
+@functools.lru_cache(maxsize=64)
+def _name(dtype: np.dtype) -> str:
+    """A dtype's name (NumPy makes it in Python at each ask: 4 us, a tenth of a result's time)."""
+    return dtype.name
+
+
+@functools.lru_cache(maxsize=64)
+def _native(dtype: np.dtype) -> np.dtype:
+    """`dtype` in the machine's byte order, one object per dtype (pickled once for all of a worker's tensors)."""
+    return dtype.newbyteorder("=")
+
+
+def _target_name(target: Any) -> str:
+    """A cast target's name, given its name or its dtype."""
+    return target if isinstance(target, str) and target in TARGETS else np.dtype(target).name
 
 
 def _part_dtype(dtype: np.dtype) -> np.dtype:

@@ -304,3 +304,20 @@ def test_a_tensor_row_is_written_as_the_encoder_writes_it(name, shape, s):
         for c in s.casts
     ]
     assert tensor_json(row) == render.COMPACT.encode(fields)
+
+
+def test_stats_of_float32_tensors_imports_no_ml_dtypes(tmp_path):
+    # the cast targets' figures are fixed numbers (pinned against ml_dtypes in tests/core/test_stats.py): a run
+    # over float32 values (cast by _fused's loop) paid ml_dtypes' import (5 ms of its start) for none of its types
+    path = write_st(tmp_path / "f.safetensors", {"a": np.arange(6, dtype=np.float32), "b": -np.ones(3, np.float32)})
+    code = (
+        "import sys\nfrom clipcli.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+        "    assert not e.code, e.code\nprint('ml_dtypes' in sys.modules)"
+    )
+    args = [sys.executable, "-c", code, "stats", str(path), "--format", "json"]
+    r = subprocess.run(args, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    report, imported = r.stdout.rsplit("\n", 2)[:2]
+    casts = json.loads(report)["checkpoints"][0]["tensors"][0]["casts"]
+    assert [c["dtype"] for c in casts] == ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+    assert imported == "False"

@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 
 from clipcli.core import blocks
 from clipcli.core.blocks import BLOCK
-from clipcli.core.stats import CAST_TARGETS, StatsAccumulator, TensorStats, default_casts, tensor_stats
+from clipcli.core.casts import CAST_NAMES, TARGETS
+from clipcli.core.stats import StatsAccumulator, TensorStats, default_casts, tensor_stats
+
+CAST_TARGETS = [np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)]
 
 FLOATS = [
     np.float16,
@@ -125,7 +128,7 @@ def reference(t: np.ndarray, casts=None) -> dict:
         ref["subnormals"] = int(((w != 0) & (np.abs(w) < tiny)).sum())
         nonzero = w[finite & (w != 0)]
         ref["exponents"] = tuple(sorted(Counter((np.frexp(nonzero)[1] - 1).tolist()).items()))
-        targets = default_casts(t.dtype) if casts is None else [np.dtype(c) for c in casts]
+        targets = [np.dtype(c) for c in (default_casts(t.dtype) if casts is None else casts)]
         ref["casts"] = tuple(cast_reference(v, c) for c in targets)
     n = v.size
     ref["count"] = n
@@ -325,10 +328,28 @@ def test_the_first_largest_magnitude_is_found_across_chunks_and_signs():
 
 
 def test_default_casts_are_the_narrower_standard_floats():
-    assert [t.name for t in default_casts(np.float32)] == ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
-    assert [t.name for t in default_casts(np.complex64)] == [t.name for t in default_casts(np.float32)]
-    assert [t.name for t in default_casts(np.float16)] == ["float8_e4m3fn", "float8_e5m2"]
+    assert default_casts(np.float32) == ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+    assert default_casts(np.complex64) == default_casts(np.float32)
+    assert default_casts(np.float16) == ("float8_e4m3fn", "float8_e5m2")
     assert default_casts(ml_dtypes.float8_e5m2) == () and default_casts(np.int32) == ()
+
+
+def test_cast_targets_figures_are_ml_dtypes_own():
+    # fixed in clipcli.core.casts, so that a float32 run imports no ml_dtypes: each must be ml_dtypes' own
+    assert tuple(t.name for t in CAST_TARGETS) == CAST_NAMES
+    for target in CAST_TARGETS:
+        info = ml_dtypes.finfo(target)
+        smallest = math.frexp(float(info.smallest_normal))[1] - 1
+        assert TARGETS[target.name] == (target.itemsize, int(info.nmant) + 1, smallest, float(info.max)), target.name
+        assert type(TARGETS[target.name].max) is float and 2.0**smallest == float(info.smallest_normal)
+
+
+def test_targets_given_as_names_dtypes_or_numpy_spellings_are_the_same():
+    t = sample(np.float32, 100)
+    names = tensor_stats(t, ["float8_e5m2", "bfloat16"])
+    assert [c.dtype for c in names.casts] == ["float8_e5m2", "bfloat16"]
+    assert repr(tensor_stats(t, [ml_dtypes.float8_e5m2, np.dtype(ml_dtypes.bfloat16)])) == repr(names)
+    assert repr(tensor_stats(t, ["f2"])) == repr(tensor_stats(t, ["float16"]))
 
 
 def test_wrong_dtypes_and_targets_are_refused():
@@ -575,3 +596,39 @@ def test_a_pickled_accumulator_is_small_and_merges_to_the_bits_of_one_pass():
     assert len(sent) < 64 << 10  # no per-value state: the counts, sums and the values of blocks cut in two
     head.merge(pickle.loads(sent))
     assert repr(head.result()) == repr(tensor_stats(t))
+
+
+def test_an_accumulator_of_whole_blocks_pickles_in_a_few_kib():
+    # found profiling stats' parent: each worker sent ~19 KiB a tensor (all 2,200 exponent bins, 18 ExactSum
+    # objects), 2.5 MB and ~10 ms of pickling for a 2 GiB checkpoint; the used bins and (integer, exponent) pairs
+    t = planted32(5 * BLOCK, 9)
+    part = StatsAccumulator(t.dtype)
+    part.add(t[2 * BLOCK :], 2 * BLOCK)
+    sent = pickle.dumps(part)
+    assert len(sent) < 4 << 10
+    whole = StatsAccumulator(t.dtype)
+    whole.add(t[: 2 * BLOCK], 0)
+    whole.merge(pickle.loads(sent))
+    assert repr(whole.result()) == repr(tensor_stats(t))
+    empty = pickle.loads(pickle.dumps(StatsAccumulator(np.float64, ["float16"])))  # no bins used, one target
+    assert repr(empty.result()) == repr(tensor_stats(np.zeros(0), ["float16"]))
+
+
+@needs_loops
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 40), spread=st.sampled_from([0, 10, 50, 51, 1100]))
+@settings(max_examples=60, deadline=None)
+def test_exact_columns_are_the_exact_sums_of_the_error_rows(seed, rows, spread):
+    rng = np.random.default_rng(seed)
+    sums = rng.random((rows, 9)) * np.exp2(rng.integers(-spread, 1, (rows, 9)).astype(float) - 500 * (spread > 1000))
+    sums[rng.random((rows, 9)) < 0.2] = 0.0
+    sums[:, 4] = 0.0  # a column all zeros
+    if rows:
+        sums[0, 5] = 5e-324  # the smallest subnormal
+    for j, exact in enumerate(blocks.fused_exact_columns(sums)):
+        terms = [Fraction(x) for x in sums[:, j].tolist()]
+        nonzero = [math.frexp(x)[1] for x in sums[:, j].tolist() if x]
+        if exact is None:  # the caller adds a column of terms more than 50 binades apart another way
+            assert max(nonzero) - min(nonzero) > 50
+        else:
+            assert Fraction(exact[0]) * Fraction(2) ** exact[1] == sum(terms, Fraction(0))
+    assert blocks.fused_exact_columns(np.array([[1.0, -1.0, np.inf]]))[1:] == [None, None]

@@ -27,8 +27,10 @@ def _umask() -> int:
 
 
 def resolve_target(target: Path) -> Path:
-    """The file a write to `target` lands in: a symlink's target, as `cp` writes through links."""
-    return Path(os.path.realpath(target))
+    """The file a write to `target` lands in: a symlink's target, as `cp` writes through links (the link itself
+    where it leads to what has no path: /dev/stdout on a pipe)."""
+    real = Path(os.path.realpath(target))
+    return Path(target) if not real.exists() and os.path.exists(target) else real
 
 
 @contextlib.contextmanager
@@ -56,6 +58,10 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
         mode, owner = 0o666 & ~_umask(), None
     except OSError as e:
         raise WriteError(e.strerror or str(e), target) from e
+    if owner is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, a device: written into, as `cp` does
+        with _written_into(real, target) as f:
+            yield f
+        return
     import tempfile  # here: only writes need it (and its imports)
 
     resume = defer_stops()  # until the `try` that removes the file: a stop before it would leave the file behind
@@ -88,6 +94,31 @@ def atomic_write(target: Path) -> Iterator[BinaryIO]:
         _fsync_dir(real.parent)
 
 
+def is_special(target: Path) -> bool:
+    """Whether a write to `target` goes into a file that is not a regular one (a FIFO, a device such as
+    /dev/null): written in order, into it, not replaced (`atomic_write`)."""
+    try:
+        return not stat.S_ISREG(resolve_target(target).stat().st_mode) and not resolve_target(target).is_dir()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _written_into(real: Path, target: Path) -> Iterator[BinaryIO]:
+    """A FIFO or device opened for writing (a FIFO waits for its reader, as `cp`'s does): no file to replace, so
+    nothing to keep on a failure either.
+
+    Raises:
+        WriteError: when it cannot be opened or written (/dev/full: no space left on the device).
+    """
+    try:
+        with open(real, "wb") as f:
+            yield cast(BinaryIO, _EarlyWriteback(f, real, durable=False))
+            f.flush()
+    except OSError as e:
+        raise WriteError(e.strerror or str(e), target) from e
+
+
 def _keep_owner(fd: int, owner: tuple[int, int]) -> None:
     """Gives the file the owner and group it replaces, where the process may (others than root: only a group
     of their own, and their own files)."""
@@ -115,8 +146,10 @@ class _EarlyWriteback:
 
     def write(self, data: Any) -> int:
         n = self._f.write(data)
+        if self._advise is None:  # (not durable; a FIFO, which has no position)
+            return n
         end = self._f.tell()
-        if self._advise is not None and end - self._mark >= WRITEBACK_BYTES:
+        if end - self._mark >= WRITEBACK_BYTES:
             self._f.flush()
             with contextlib.suppress(OSError):  # only a hint: the fsync at the end still decides
                 self._advise(self._f.fileno(), self._mark, end - self._mark, os.POSIX_FADV_DONTNEED)

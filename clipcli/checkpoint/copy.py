@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from typing import Any, BinaryIO, NamedTuple
@@ -97,9 +98,10 @@ class FileRange(NamedTuple):
 
 
 def _descriptor(f: Any) -> int | None:
-    """The file descriptor of a file written at its position, or None (a zip member's stream)."""
+    """The file descriptor of a regular file written at its position, or None (a zip member's stream, a FIFO)."""
     try:
-        return f.fileno()
+        fd = f.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
     except (OSError, io.UnsupportedOperation, AttributeError):
         return None
 

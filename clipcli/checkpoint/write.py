@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from clipcli.checkpoint import registry
-from clipcli.checkpoint.atomic import atomic_write, resolve_target
+from clipcli.checkpoint.atomic import atomic_write, is_special, resolve_target
 from clipcli.checkpoint.engine import CHUNK_BYTES
 from clipcli.checkpoint.plugin import DIRECTORY, Plan, Target
 from clipcli.checkpoint.reader import Checkpoint
@@ -187,7 +187,8 @@ def placed(
     formats = [registry.get(output_kind(target)) for target, _ in layout.files]
     in_c_order = [t for fmt, (_, group) in zip(formats, layout.files, strict=True) if fmt.c_order for t in group]
     in_order = any(fmt.header is None for fmt in formats)  # (an .npz)
-    if in_order or any(t.fortran_order for t in in_c_order) or len(layout.files) > _MAX_OPEN_OUTPUT:
+    special = any(is_special(target) for target, _ in layout.files)  # a FIFO, a device: written in order
+    if in_order or special or any(t.fortran_order for t in in_c_order) or len(layout.files) > _MAX_OPEN_OUTPUT:
         yield None  # (many shards: written one after another, holding one open instead of all of them)
         return
     places: dict[str, Place] = {}

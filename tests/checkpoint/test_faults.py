@@ -429,6 +429,55 @@ def test_symlinked_output_and_in_place(files, tmp_path):
     assert done.returncode == 4 and "refusing to overwrite the input" in done.stderr
 
 
+# found in review: a FIFO or a device as the output was replaced by a regular file, exit 0 (as root, `--report
+# /dev/null` would have replaced /dev/null); `cp` writes into them, and so does clipcli now
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", ".pt", ".json"])
+def test_a_fifo_output_is_written_into_not_replaced(files, tmp_path, suffix):
+    import stat
+    import threading
+
+    fifo, regular = tmp_path / f"fifo{suffix}", tmp_path / f"regular{suffix}"
+    os.mkfifo(fifo)
+    got: dict[str, bytes] = {}
+    reader = threading.Thread(target=lambda: got.setdefault("bytes", fifo.read_bytes()), daemon=True)
+    reader.start()
+    source = ROOT / "samples" / "grads.npz"  # (float32 alone: every format holds it)
+    for out in (fifo, regular):
+        if suffix == ".json":
+            args = ["clip-global-norm", source, "--dry-run", "--clip-norm", "1", "--report", out, "-q"]
+        else:
+            args = ["convert", source, "-o", out, "-q"]
+        done = clipcli(*args)
+        assert done.returncode == 0, done.stderr
+    reader.join(30)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and leftovers(tmp_path) == []
+    if suffix in (".safetensors", ".json"):
+        assert got["bytes"] == regular.read_bytes()
+        return
+    # a zip into a stream that cannot seek back: each member's sizes after its data (zipfile's data descriptors),
+    # the same tensors
+    copy = tmp_path / f"copy{suffix}"
+    copy.write_bytes(got["bytes"])
+    hashes = [json.loads(clipcli("hash", f, "--format", "json").stdout)["checkpoints"][0] for f in (copy, regular)]
+    assert hashes[0]["hash"] == hashes[1]["hash"] and len(hashes[0]["tensors"]) == 17  # (grads.npz: 17 tensors)
+    if suffix == ".npz":
+        with np.load(copy) as a, np.load(regular) as b:
+            assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_device_output_is_written_into_and_a_full_one_exits_4(files):
+    import stat
+
+    if not stat.S_ISCHR(os.stat("/dev/full").st_mode):
+        pytest.skip("no /dev/full")
+    done = clipcli("clip-global-norm", files["grads"], "--dry-run", "--clip-norm", "1", "--report", "/dev/full", "-q")
+    assert done.returncode == 4 and done.stderr == "clipcli: error: /dev/full: No space left on device\n"
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+    # /dev/stdout on a pipe: a link to what has no path, written into (it was 'cannot create a file in /proc/...')
+    done = clipcli("clip-global-norm", files["grads"], "--dry-run", "--clip-norm", "1", "--report", "/dev/stdout", "-q")
+    assert done.returncode == 0 and json.loads(done.stdout)["command"] == "clip-global-norm", done.stderr
+
+
 def test_hundreds_of_shards_are_read_and_written_within_a_small_open_files_limit(tmp_path):
     # Found by a review: every shard stayed open, so 600 shards under `ulimit -n 64` (or a diff of two
     # checkpoints of 130 shards under macOS's 256) failed with "Too many open files".

@@ -1399,3 +1399,45 @@ def test_an_unknown_key_is_taken_exactly_when_the_reference_reader_takes_it(tmp_
     else:
         with pytest.raises(MalformedError):
             open_checkpoint(path).close()
+
+
+_ENTRY = '"dtype":"F32","shape":[2],"data_offsets":[0,8]'
+
+
+# found in review: a key given twice where the reference reader ignores it (an unknown key of a tensor's entry,
+# or inside its value) was refused; where it takes it (a tensor's field) it refuses it too; clipcli refuses a tensor
+# named twice and a metadata key given twice by choice (README, "Choices"), where the reference keeps the last
+@pytest.mark.parametrize(
+    ("header", "taken"),
+    [
+        ('{"a":{' + _ENTRY + ',"foo":1,"foo":2}}', True),
+        ('{"a":{' + _ENTRY + ',"foo":{"x":1,"x":2}}}', True),
+        ('{"__metadata__":{"k":"1"},"a":{' + _ENTRY + ',"z":[{"q":1,"q":2}]}}', True),
+        ('{"a":{"dtype":"F32",' + _ENTRY + "}}", False),
+        ('{"a":{' + _ENTRY + ',"shape":[2]}}', False),
+        ('{"a":{' + _ENTRY + ',"data_offsets":[0,8]}}', False),
+    ],
+)
+def test_a_repeated_key_is_refused_where_the_reference_reader_refuses_it(tmp_path, header, taken):
+    path = tmp_path / "r.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(8))
+    try:
+        safe_open(path, "np")
+        reference = True
+    except Exception:  # (the library's own error type)
+        reference = False
+    assert reference is taken
+    if taken:
+        with open_checkpoint(path) as c:
+            assert [(t.name, t.shape) for t in c.tensors] == [("a", (2,))]
+    else:
+        with pytest.raises(MalformedError, match="duplicate key"):
+            open_checkpoint(path)
+    for by_choice in (
+        '{"a":{' + _ENTRY + '},"a":{' + _ENTRY + "}}",
+        '{"__metadata__":{"k":"1","k":"2"},"a":{' + _ENTRY + "}}",
+    ):
+        path.write_bytes(struct.pack("<Q", len(by_choice)) + by_choice.encode() + bytes(8))
+        safe_open(path, "np")  # the reference reader keeps the last
+        with pytest.raises(MalformedError, match="duplicate key"):
+            open_checkpoint(path)

@@ -141,13 +141,35 @@ def _object(pairs: list[tuple[str, Any]]) -> Any:
     return _no_duplicates(pairs)
 
 
+class _Repeated(dict):
+    """A JSON object of the header that gives a key twice (the last value kept, as the reference reader keeps it
+    where it takes one); `key` the first one given twice. Refused where it matters (`_refuse_repeated`)."""
+
+    key: str
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) < len(pairs):
         seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise MalformedError(f"duplicate key {key!r} in the header")
+        out = _Repeated(out)
+        out.key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
     return out
+
+
+_FIELDS = ("dtype", "shape", "data_offsets")
+
+
+def _refuse_repeated(header: dict[str, Any]) -> None:
+    """Refuses a key given twice where it matters: a tensor's name or `__metadata__`, a key of `__metadata__`
+    (clipcli's choice: the reference reader keeps the last, one of two tensors or values silently), a field of a
+    tensor's entry (the reference reader's "duplicate field"). Elsewhere (a key the reference reader ignores, and
+    what its value holds) a repeated key is taken, as it takes it."""
+    if type(header) is _Repeated:
+        raise MalformedError(f"duplicate key {header.key!r} in the header")
+    for name, value in header.items():
+        if type(value) is _Repeated and (name == "__metadata__" or value.key in _FIELDS):
+            raise MalformedError(f"duplicate key {value.key!r} in the header")
 
 
 def read_header(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, str], Columns]:
@@ -243,6 +265,8 @@ def _parse(
         del raw  # (up to 100 MB: not held beside its text and what it parses into)
         header = _strict_json.loads(text, _object)
         del text
+        if isinstance(header, dict):
+            _refuse_repeated(header)
         if type(header) is _Parsed:  # the whole header is one object of the keys a tensor's has
             header = header.as_json()
     except MalformedError as e:

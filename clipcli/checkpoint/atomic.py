@@ -98,9 +98,10 @@ def is_special(target: Path) -> bool:
     """Whether a write to `target` goes into a file that is not a regular one (a FIFO, a device such as
     /dev/null): written in order, into it, not replaced (`atomic_write`)."""
     try:
-        return not stat.S_ISREG(resolve_target(target).stat().st_mode) and not resolve_target(target).is_dir()
+        mode = resolve_target(target).stat().st_mode
     except OSError:
         return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from clipcli.checkpoint import open_checkpoint
+from clipcli.checkpoint import Checkpoint, open_checkpoint
 from clipcli.checkpoint.source import MemorySource, MemoryStore
 from clipcli.errors import ClipcliError, ExitStatus
 from tests.helpers import dcp_checkpoint, pickle_ops, torch_legacy, torch_tensor_pickle, torch_view, torch_zip_file
@@ -172,12 +172,16 @@ class ReadingOn(MemorySource):
         return self.read_into(offset, view)
 
 
-def test_a_source_that_reads_ahead_is_told_where_the_reads_in_order_go_on_to(tmp_path: Path) -> None:
-    # the plan is worked out when such a source first asks, so a local run never builds it: each new plan counts
+def _three_reading_on(tmp_path: Path) -> Checkpoint:
+    """A checkpoint of tensors a, b, c (4 values each, 0, 1, 2) on a `ReadingOn` store."""
     path = tmp_path / "m.safetensors"
     save_file({k: np.full(4, i, np.float32) for i, k in enumerate("abc")}, str(path))
-    store = MemoryStore.copy_of([path], ReadingOn)
-    with open_checkpoint(path, store) as ckpt:
+    return open_checkpoint(path, MemoryStore.copy_of([path], ReadingOn))
+
+
+def test_a_source_that_reads_ahead_is_told_where_the_reads_in_order_go_on_to(tmp_path: Path) -> None:
+    # the plan is worked out when such a source first asks, so a local run never builds it: each new plan counts
+    with _three_reading_on(tmp_path) as ckpt:
         a, b, c = sorted(ckpt.tensors, key=lambda t: t.location.offset)
         end = {t.name: t.location.offset + t.nbytes for t in (a, b, c)}
         for plan, reads, expected in (
@@ -194,10 +198,7 @@ def test_a_source_that_reads_ahead_is_told_where_the_reads_in_order_go_on_to(tmp
 
 def test_a_source_that_reads_ahead_is_told_to_stop_where_another_part_starts(tmp_path: Path) -> None:
     # engine.in_parts: workers reading on in parts of a file of their own, a read stops before the next part
-    path = tmp_path / "m.safetensors"
-    save_file({k: np.full(4, i, np.float32) for i, k in enumerate("abc")}, str(path))
-    store = MemoryStore.copy_of([path], ReadingOn)
-    with open_checkpoint(path, store) as ckpt:
+    with _three_reading_on(tmp_path) as ckpt:
         a, b, c = sorted(ckpt.tensors, key=lambda t: t.location.offset)
         ckpt.will_read([a, b, c], [(a.file, b.location.offset + 8), ("other", a.location.offset + 4)])
         _told.clear()

@@ -507,6 +507,19 @@ def assert_same_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     assert wide_errors.tobytes() == generic_errors.tobytes()
 
 
+def assert_exact_both_signs(monkeypatch, t: np.ndarray) -> None:
+    """For t and -t: the two loops agree (`assert_same_runs`), their exact sums of x and x² are those of
+    `Fraction`, and the statistics are those of NumPy's path."""
+    for x in (t, -t):
+        runs = fused_runs(x)
+        assert_same_runs(runs)
+        total, squares = fused_totals(runs[0][0])
+        exact = [Fraction(float(v)) for v in x]
+        assert Fraction(total, 2**149) == sum(exact)
+        assert Fraction(squares, 2**298) == sum(v * v for v in exact)
+        assert repr(tensor_stats(x)) == repr(without_loops(monkeypatch, tensor_stats, x))
+
+
 @needs_loops
 @pytest.mark.parametrize("seed", range(3))
 def test_the_avx512_loop_gives_the_bits_of_the_generic_loop(monkeypatch, seed):
@@ -547,14 +560,7 @@ def test_a_block_that_outgrows_the_window_of_the_block_before_gives_the_bits_of_
     t[8 * BLOCK - 1] = 400.0  # the last value of a block, in the largest ordinary binade
     t[9 * BLOCK + 3] = 2 * float(np.abs(t[8 * BLOCK - BLOCK : 8 * BLOCK - 1]).max())  # a binade up: in the window
     t[19 * BLOCK + 40] = 1.0  # after zeros
-    for x in (t, -t):
-        runs = fused_runs(x)
-        assert_same_runs(runs)
-        total, squares = fused_totals(runs[0][0])
-        exact = [Fraction(float(v)) for v in x]
-        assert Fraction(total, 2**149) == sum(exact)
-        assert Fraction(squares, 2**298) == sum(v * v for v in exact)
-        assert repr(tensor_stats(x)) == repr(without_loops(monkeypatch, tensor_stats, x))
+    assert_exact_both_signs(monkeypatch, t)
 
 
 @needs_loops
@@ -570,14 +576,7 @@ def test_the_avx512_window_sums_stay_exact_at_their_bounds(monkeypatch, top):
         bits = np.array([max(f, 0) << 23 | 0x7FFFFF for f in fields] + [max(f, 0) << 23 for f in fields[1:]], np.uint32)
         rows.append(np.resize(bits, BLOCK))
     t = np.concatenate(rows).view(np.float32)
-    for x in (t, -t):
-        runs = fused_runs(x)
-        assert_same_runs(runs)
-        total, squares = fused_totals(runs[0][0])
-        exact = [Fraction(float(v)) for v in x]
-        assert Fraction(total, 2**149) == sum(exact)
-        assert Fraction(squares, 2**298) == sum(v * v for v in exact)
-        assert repr(tensor_stats(x)) == repr(without_loops(monkeypatch, tensor_stats, x))
+    assert_exact_both_signs(monkeypatch, t)
 
 
 def test_cast_errors_beside_values_that_overflow_keep_their_precision():

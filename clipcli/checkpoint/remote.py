@@ -275,6 +275,7 @@ class RemoteStore:
     # into how many parts of a file, each read on by workers of its own, the engine may cut a pass (`engine.in_parts`):
     # a ranged GET left open (`_Streams`) is received by one thread at a time, several by several cores at once
     streams = 1
+    reads_ahead = True  # in the order of a pass's tasks (`engine.read_ahead`): workers take them in that order
 
     def __init__(self, fs: Any, protocol: str, slashes: int = 2, read_options: dict[str, Any] | None = None):
         self.fs = fs

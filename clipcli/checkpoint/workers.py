@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import pickle
@@ -10,22 +11,65 @@ import select
 import signal
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from typing import Any
 
 from clipcli._stops import StopsHeld, ignore_in_worker
 
 
+class Deal:
+    """Which task each of a pass's workers takes next. The tasks are cut into contiguous runs, one a worker, each
+    taken in order: a tensor's chunks then mostly stay with one worker, which finishes its figures there (only
+    those come back, not its partial sums), and each worker reads on in a part of the files. A worker whose run
+    is done takes the second half of the longest run left, so that none idles while another has two tasks to do.
+    With one run (`runs` 1: a store that reads ahead in the order of the tasks), every worker takes the next.
+
+    `bounds` (start, end of each run) and `lock` are shared by the workers: a list and a thread's lock, or shared
+    memory and a process's lock.
+    """
+
+    def __init__(self, tasks: int, runs: int, bounds: MutableSequence[int], lock: Any):
+        each, longer = divmod(tasks, runs)  # (the longer runs first: one left empty is a last worker's)
+        for j in range(runs):
+            bounds[2 * j] = j * each + min(j, longer)
+            bounds[2 * j + 1] = bounds[2 * j] + each + (j < longer)
+        self.runs, self.bounds, self.lock = runs, bounds, lock
+
+    def take(self, k: int) -> int:
+        """Worker `k`'s next task.
+
+        Raises:
+            StopIteration: when every task is taken.
+        """
+        b, own = self.bounds, k % self.runs
+        with self.lock:
+            if b[2 * own] >= b[2 * own + 1]:  # its run is done: the second half of the longest left
+                j = max(range(self.runs), key=lambda j: b[2 * j + 1] - b[2 * j])
+                start, end = b[2 * j], b[2 * j + 1]
+                if start >= end:
+                    raise StopIteration
+                middle = start + (end - start) // 2  # (the one task of a run of one)
+                b[2 * j + 1] = middle
+                b[2 * own], b[2 * own + 1] = middle, end
+            i = b[2 * own]
+            b[2 * own] = i + 1
+        return i
+
+
+def runs_for(work: Any, jobs: int) -> int:
+    """The runs `Deal` cuts a pass's tasks into: one a worker, or one for all where a store reads ahead in the
+    order of the tasks (a remote one: `engine.read_ahead`)."""
+    ahead = any(getattr(getattr(r, "store", None), "reads_ahead", False) for r in work.readers)
+    return 1 if ahead else jobs
+
+
 def in_threads(work: Any, jobs: int, progress: Callable[[int], None]) -> list[Any]:
     lock = threading.Lock()
-    counter = iter(range(len(work.tasks)))
+    runs = runs_for(work, jobs)
+    deal = Deal(len(work.tasks), runs, [0] * (2 * runs), lock)
     stop = threading.Event()
     results: list[Any] = [None] * jobs
     errors: list[BaseException] = []
-
-    def take() -> int:
-        with lock:
-            return next(counter)
 
     def report(n: int) -> None:
         with lock:
@@ -33,7 +77,7 @@ def in_threads(work: Any, jobs: int, progress: Callable[[int], None]) -> list[An
 
     def worker(k: int) -> None:
         try:
-            results[k] = work.loop(take, report, stop)
+            results[k] = work.loop(functools.partial(deal.take, k), report, stop)
         except BaseException as e:
             errors.append(e)
             stop.set()
@@ -55,12 +99,13 @@ def in_threads(work: Any, jobs: int, progress: Callable[[int], None]) -> list[An
 
 
 def in_processes(work: Any, jobs: int, progress: Callable[[int], None]) -> list[Any]:
-    """Forked workers: each takes task numbers from a shared counter, counts its bytes in shared memory,
+    """Forked workers: each takes the task numbers dealt it (`Deal`, in shared memory), counts its bytes there too,
     and sends back its kernel's result (or its error) through a pipe of its own."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    counter = ctx.Value("q", 0)
+    runs = runs_for(work, jobs)
+    deal = Deal(len(work.tasks), runs, ctx.Array("q", 2 * runs, lock=False), ctx.Lock())
     done = ctx.Array("q", jobs, lock=False)
     children: dict[int, tuple[int, int]] = {}  # read end -> (pid, worker)
     try:
@@ -76,7 +121,7 @@ def in_processes(work: Any, jobs: int, progress: Callable[[int], None]) -> list[
                     ignore_in_worker()  # Ctrl-C and SIGTERM are the parent's to handle
             if pid == 0:  # pragma: no cover
                 os.close(r)
-                _child(work, k, counter, done, w)
+                _child(work, k, deal, done, w)
             os.close(w)
             children[r] = (pid, k)
         return _gather(children, jobs, done, progress, work.readers)
@@ -91,7 +136,7 @@ def in_processes(work: Any, jobs: int, progress: Callable[[int], None]) -> list[
                 os.waitpid(pid, 0)
 
 
-def _child(work: Any, k: int, counter: Any, done: Any, w: int) -> None:  # pragma: no cover
+def _child(work: Any, k: int, deal: Deal, done: Any, w: int) -> None:  # pragma: no cover
     """A worker process: runs its share, writes its pickled outcome to `w`, and exits without cleanup."""
     status = 0
     try:
@@ -100,17 +145,11 @@ def _child(work: Any, k: int, counter: Any, done: Any, w: int) -> None:  # pragm
         for reader in work.readers:
             reader.forget_handles()
 
-        def take() -> int:
-            with counter.get_lock():
-                i = counter.value
-                counter.value = i + 1
-            return i
-
         def report(n: int) -> None:
             done[k] += n
 
         try:
-            result = work.loop(take, report)
+            result = work.loop(functools.partial(deal.take, k), report)
             outcome: tuple[str, Any] = ("ok", (result, [r.take_read_log() for r in work.readers]))
         except BaseException as e:
             outcome = ("error", e)

@@ -84,8 +84,9 @@ def cast_targets(dtype: np.dtype, casts: tuple[str, ...] | None, also: tuple[str
 
 
 class StatsKernel:
-    """A worker's kernel: each tensor's chunks into its accumulator, placed by their offsets; a tensor that comes
-    whole in one chunk (most small ones) is kept as its `TensorStats` only (an accumulator takes ~20 KiB)."""
+    """A worker's kernel: each tensor's chunks into its accumulator, placed by their offsets; a tensor whose
+    chunks all came to this worker (most of them: `workers.Deal`) is kept as its `TensorStats` only, finished
+    here, in parallel (an accumulator takes ~20 KiB, and merging and finishing them is the parent's alone)."""
 
     # What one worker takes (see _engine.WORKERS_BUDGET): its chunk buffer and the core's scratch, up to 8 MiB
     # for a 4 MiB chunk of float64 (tracemalloc); 16 workers asked for stay under 128 MiB with the parent's.
@@ -95,17 +96,21 @@ class StatsKernel:
         self.casts, self.also = casts, also
         self.accs: dict[str, StatsAccumulator] = {}
         self.done: dict[str, TensorStats] = {}
+        self.seen: dict[str, int] = {}  # each open accumulator's values so far
 
     def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> None:
         acc = self.accs.get(t.name)
         if acc is None:
             acc = StatsAccumulator(values.dtype, cast_targets(values.dtype, self.casts, self.also))
-            if offset == 0 and values.size == t.size:
+            if offset == 0 and values.size == t.size:  # (most small tensors: whole in one chunk)
                 acc.add(values, 0)
                 self.done[t.name] = acc.result()
                 return
             self.accs[t.name] = acc
         acc.add(values, offset // values.itemsize)
+        seen = self.seen[t.name] = self.seen.get(t.name, 0) + values.size
+        if seen == t.size:  # every chunk of it came here
+            self.done[t.name] = self.accs.pop(t.name).result()
 
     def result(self) -> tuple[dict[str, StatsAccumulator], dict[str, TensorStats]]:
         return self.accs, self.done

@@ -14,10 +14,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from clipcli.checkpoint import TensorInfo, open_checkpoint
 from clipcli.checkpoint import engine as _engine
-from clipcli.checkpoint import open_checkpoint
 from clipcli.commands.select import Selection
-from clipcli.commands.stats import StatsLimits, StatsOptions, check_casts, check_measured, failures, stats
+from clipcli.commands.stats import (
+    StatsKernel,
+    StatsLimits,
+    StatsOptions,
+    check_casts,
+    check_measured,
+    failures,
+    stats,
+)
 from clipcli.core.stats import tensor_stats
 from clipcli.errors import UsageError
 from clipcli.report.stats import StatsReport
@@ -283,6 +291,20 @@ def test_larger_than_the_chunk_size_any_workers_the_same_bytes(tmp_path, monkeyp
     np.save(tmp_path / "fortran.npy", big["fortran"])
     for jobs in (1, 3):
         same_figures(tmp_path / "fortran.npy", {"fortran": big["fortran"]}, jobs)
+
+
+def test_a_worker_finishes_a_tensor_whose_chunks_all_came_to_it_and_sends_back_only_its_figures():
+    # (a pass deals each worker a run of chunks: most tensors' chunks all come to one worker, which finishes them
+    # in parallel with the others, instead of sending its partial sums to the parent to merge and finish)
+    x = planted(40_000, np.float32)
+    t = TensorInfo("x", "float32", x.shape, x.nbytes, "f", x.dtype)
+    kernel = StatsKernel(None, ())
+    for start, end in ((32_768, 40_000), (0, 16_384)):  # in any order, as workers take chunks
+        kernel.chunk(t, 4 * start, x[start:end])
+    assert list(kernel.result()[0]) == ["x"] and kernel.result()[1] == {}  # (a part of it still to come)
+    kernel.chunk(t, 4 * 16_384, x[16_384:32_768])
+    accs, done = kernel.result()
+    assert accs == {} and repr(done["x"]) == repr(tensor_stats(x))
 
 
 # --- what is shown, skipped and gated ---------------------------------------------------------------

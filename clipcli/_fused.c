@@ -249,7 +249,10 @@ static void release_buffers(int n, Py_buffer *views) {
  * whose ports the vector work leaves free, in both loops); every
  * 2**18 values (2**16 a copy) they are emptied into the totals per E, the implicit bit added
  * ((f + 2**23)**2 = f**2 + 2**24 f + 2**46) and the sign applied.
- * Casts round to nearest even: a target's threshold on the magnitude bits decides each count. The rounded
+ * Casts round to nearest even: a target's threshold on the magnitude bits decides each count; float16's,
+ * float8_e4m3fn's and float8_e5m2's flush thresholds are normal powers of two, so that the values at or below
+ * one are the subnormals, the values per E below its (the counts above) and the values exactly at it (exact
+ * powers of two, found by one test of a group of sixteen and counted one by one: rare). The rounded
  * value r is (|x| + C) - C in float32, C = 2**(max(e, the target's smallest normal exponent) + 24 - p) (p:
  * the target's precision): float32's own rounding at C's last place. Where C would overflow (a vector with
  * a value above 464 goes the slow way, with masks) r is taken from the bits instead (RNE by integer
@@ -386,9 +389,11 @@ static inline __attribute__((always_inline)) void add_to_bins(stats_bins *bins, 
  * loop's order) and its own counts, extremes and bfloat16's counts (added to the generic loop's at the end). */
 typedef struct {
     v8d base, err[TARGETS];
-    v16i flush[TARGETS], normal[TARGETS], peak; /* below a threshold: zeros included */
-    v16f lo, hi;
+    v16i normal[TARGETS]; /* below a threshold: zeros included */
+    v16f lo, hi;          /* the block's (its largest magnitude is the larger of theirs: see stats_loop) */
+    v16i peak;            /* that, per lane, at its end (-1: none) */
     int64_t flush1, normal1;
+    int64_t powers[TARGETS]; /* the values exactly at a flush threshold (not bfloat16's: see stats_loop) */
     v8d sum, high, low; /* the block's window: sum of x; sum of x*x as high + low parts (see the AVX-512 loop) */
     double magic;       /* 1.5 * 2**(52 + WINDOW_SPLIT) units of x*x */
     int32_t below;      /* (the window's least exponent field << 23) - 2: magnitudes m with m - 1 above it lie in it */
@@ -414,13 +419,15 @@ static inline void count_subnormals(stats_lanes *s, stats_bins *bins, const int3
 
 /* The AVX-512 loop's constants, read from memory (a broadcast is a load there): GCC would rather make each
  * one again from an immediate, on the port the vectors need most. */
-enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_FRACTION, K_ONE, K_DROP3, K_LEN };
+enum { K_FLUSH = 0, K_NORMAL = 4, K_TINY = 8, K_DROP = 12, K_ABS = 16, K_EXPONENT, K_FRACTION, K_ONE, K_DROP3,
+       K_NORMAL_LEAST, K_POWER, K_LEN };
 static const int32_t STATS_K[K_LEN] = {
     [K_FLUSH] = 0x33000001, 0x8001, 0x3A800001, 0x37000001, /* FLUSH + 1 */
     [K_NORMAL] = 0x387FE000, 0x7F8000, 0x3C700000, 0x38600000,
     [K_TINY] = 0x38800000, 0x800000, 0x3C800000, 0x38800000,
     [K_DROP] = 13 << 23, 16 << 23, 20 << 23, 21 << 23,
     [K_ABS] = 0x7FFFFFFF, 0x7F800000, 0x7FFFFF, 1, (21 - 13) << 23, /* float8_e5m2's DROP less float16's */
+    0x800000, 0x807FFFFF, /* the least normal; a sign bit and a fraction: 0 of a normal power of two less it */
 };
 #define K(i) _mm512_set1_epi32(k[i])
 
@@ -437,11 +444,19 @@ static const int32_t STATS_K[K_LEN] = {
         err##T = _mm512_fmadd_pd(b_, b_, err##T);                                                              \
     } while (0)
 
-#define AVX512_BELOW(T)                                                                                        \
-    do {                                                                                                       \
-        flush##T = _mm512_mask_add_epi32(flush##T, _mm512_cmplt_epi32_mask(mag, K(K_FLUSH + T)), flush##T, one);   \
-        normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, K(K_NORMAL + T)), normal##T, one); \
-    } while (0)
+#define AVX512_BELOW(T) \
+    normal##T = _mm512_mask_add_epi32(normal##T, _mm512_cmplt_epi32_mask(mag, K(K_NORMAL + T)), normal##T, one)
+
+/* The values of a group exactly at a flush threshold of float16, float8_e4m3fn or float8_e5m2 (each a power of
+ * two) among those that are (a mask `twos` of them): the values at or below one are those, and those of lesser
+ * exponent fields, which the bins count (see stats_loop). */
+static void count_powers(stats_lanes *s, const int32_t *mag, uint32_t twos) {
+    for (; twos; twos &= twos - 1) {
+        int32_t m = mag[__builtin_ctz(twos)];
+        for (int t = 0; t < TARGETS; t++)
+            s->powers[t] += t != 1 && m == (int32_t)FLUSH[t];
+    }
+}
 
 /* The lanes given back (and the last group's places tallied). */
 #define STORE_LANES() \
@@ -456,13 +471,9 @@ static const int32_t STATS_K[K_LEN] = {
     s->err[1] = (v8d)err1; \
     s->err[2] = (v8d)err2; \
     s->err[3] = (v8d)err3; \
-    s->flush[0] = (v16i)flush0; \
-    s->flush[2] = (v16i)flush2; \
-    s->flush[3] = (v16i)flush3; \
     s->normal[0] = (v16i)normal0; \
     s->normal[2] = (v16i)normal2; \
     s->normal[3] = (v16i)normal3; \
-    s->peak = (v16i)peak; \
     s->lo = (v16f)lo; \
     s->hi = (v16f)hi;
 
@@ -488,9 +499,8 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
           int checked, int windowed) {
     __m512d base = (__m512d)s->base, err0 = (__m512d)s->err[0], err1 = (__m512d)s->err[1],
             err2 = (__m512d)s->err[2], err3 = (__m512d)s->err[3];
-    __m512i flush0 = (__m512i)s->flush[0], flush2 = (__m512i)s->flush[2], flush3 = (__m512i)s->flush[3];
     __m512i normal0 = (__m512i)s->normal[0], normal2 = (__m512i)s->normal[2], normal3 = (__m512i)s->normal[3];
-    __m512i peak = (__m512i)s->peak, one = K(K_ONE), below = _mm512_set1_epi32(s->below);
+    __m512i one = K(K_ONE), below = _mm512_set1_epi32(s->below);
     __m512 lo = (__m512)s->lo, hi = (__m512)s->hi;
     __m512d sum = (__m512d)s->sum, high = (__m512d)s->high, low = (__m512d)s->low, magic = _mm512_set1_pd(s->magic);
     __m512i field = _mm512_set1_epi32(s->least - 1), limit = _mm512_set1_epi32(s->limit);
@@ -507,9 +517,14 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
         AVX512_BELOW(0);
         AVX512_BELOW(2);
         AVX512_BELOW(3);
+        __mmask16 twos = _mm512_testn_epi32_mask(_mm512_sub_epi32(mag, K(K_NORMAL_LEAST)), K(K_POWER));
+        if (twos) { /* powers of two: rare (none in a group of normal(0, 1) values but once in 2**19) */
+            int32_t m[16];
+            _mm512_storeu_si512(m, mag);
+            count_powers(s, m, twos);
+        }
         lo = _mm512_min_ps(xf, lo); /* xf < lo ? xf : lo */
         hi = _mm512_max_ps(xf, hi);
-        peak = _mm512_max_epi32(mag, peak);
         /* x in float64, converted from memory (not by extracting the upper half on the vectors' busiest port) */
         __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
         base = _mm512_fmadd_pd(a, a, base);
@@ -676,7 +691,7 @@ __attribute__((target("arch=x86-64-v4"))) static void close_window(stats_lanes *
 
 STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start, int64_t *out, double *errors,
                              stats_bins *bins, int avx512) {
-    v8i zeros = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0};
+    v8i zeros = {0}, below_flush[TARGETS] = {{0}}, below_normal[TARGETS] = {{0}}, peak = {0}; /* (flush: at) */
     v8f lo = {0}, hi = {0};
     const v8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
     const float inf = __builtin_inff();
@@ -695,9 +710,8 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     int steady = 0;               /* those lay within a binade of the block before's before (see below) */
 #endif
     stats_lanes lanes = {0};
-    lanes.lo += inf;
-    lanes.hi -= inf;
     lanes.peak -= 1;
+    v16f lanes_lo = lanes.lo + inf, lanes_hi = lanes.hi - inf; /* the AVX-512 loop's smallest and largest so far */
     for (Py_ssize_t first = 0; first < n; first += STATS_BLOCK) {
         Py_ssize_t end = first + STATS_BLOCK < n ? first + STATS_BLOCK : n;
         v8d base = {0}, err[TARGETS] = {{0}}, over_sums[TARGETS] = {{0}};
@@ -707,7 +721,8 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
                        * at a value above it, and the rest of the block opens its own) */
             predicted = steady && !spread;
             ordinary = open_window(&lanes, predicted ? last + (1 << 23) : block_top(x, first, end)) && !predicted;
-            lanes.peak = (v16i){0} - 1;
+            lanes.lo = (v16f){0} + inf;
+            lanes.hi = (v16f){0} - inf;
             whole = 0;
         }
 #endif
@@ -745,7 +760,7 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
             v8f fm = (v8f)mag, xf = (v8f)u;
             v8i is_sub = (mag < 0x800000) & ~is_zero; /* and padding */
             for (int t = 0; t < TARGETS; t++) {
-                below_flush[t] += mag < (int32_t)FLUSH[t] + 1;
+                below_flush[t] += t == 1 ? mag < (int32_t)FLUSH[1] + 1 : mag == (int32_t)FLUSH[t];
                 below_normal[t] += mag < (int32_t)NORMAL[t];
             }
             if (k == 8 && !any_lane(mag > (int32_t)OVER_LEAST - 1)) { /* no inf, NaN or overflow: no masks */
@@ -800,6 +815,16 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
         if (avx512) {
             close_window(&lanes, bins);
             spread = lanes.spread > SPREAD;
+            for (int j = 0; j < 16; j++) { /* the block's largest magnitudes, from its extremes (NaN never) */
+                int32_t low_bits, high_bits;
+                memcpy(&low_bits, &lanes.lo[j], sizeof low_bits);
+                memcpy(&high_bits, &lanes.hi[j], sizeof high_bits);
+                low_bits &= 0x7FFFFFFF;
+                high_bits &= 0x7FFFFFFF;
+                lanes.peak[j] = lanes.lo[j] > lanes.hi[j] ? -1 : low_bits > high_bits ? low_bits : high_bits;
+                lanes_lo[j] = lanes.lo[j] < lanes_lo[j] ? lanes.lo[j] : lanes_lo[j];
+                lanes_hi[j] = lanes.hi[j] > lanes_hi[j] ? lanes.hi[j] : lanes_hi[j];
+            }
             int32_t top = -1; /* the block's largest magnitude bits, where the loop took it whole */
             for (int j = 0; whole && j < 16; j++)
                 top = lanes.peak[j] > top ? lanes.peak[j] : top;
@@ -856,24 +881,29 @@ STATS_CLONES static void stats_loop(const float *x, Py_ssize_t n, int64_t start,
     o[OUT_POSINF] += posinf;
     o[OUT_NEGINF] += neginf;
     for (int c = 1; c < 3 * TARGETS + 2; c++)
-        counts[c] -= counts[0] + padding;
+        if (c == 2 + 1 || c >= 2 + TARGETS) /* below a magnitude: bfloat16's flush, and every normal */
+            counts[c] -= counts[0] + padding;
     /* the AVX-512 loop's share: its zeros are this call's (the bins') less the generic loop's */
     int64_t subnormals = 0;
     for (int k = 0; k < SUBNORMAL_BINS; k++)
         subnormals += bins->subnormal[k];
     int64_t zeros_avx512 = bins->counts[0] - subnormals - counts[0];
     for (int j = 0; j < 16; j++) {
-        for (int t = 0; t < TARGETS; t++) {
-            counts[2 + t] += lanes.flush[t][j];
+        for (int t = 0; t < TARGETS; t++)
             counts[2 + TARGETS + t] += lanes.normal[t][j];
-        }
-        low = lanes.lo[j] < low ? lanes.lo[j] : low;
-        high = lanes.hi[j] > high ? lanes.hi[j] : high;
+        low = lanes_lo[j] < low ? lanes_lo[j] : low;
+        high = lanes_hi[j] > high ? lanes_hi[j] : high;
     }
     for (int t = 0; t < TARGETS; t++)
         if (t != 1) {
-            counts[2 + t] -= zeros_avx512;
             counts[2 + TARGETS + t] -= zeros_avx512;
+            /* float16's, float8_e4m3fn's and float8_e5m2's flush thresholds are normal powers of two: the non-zero
+             * values at or below one are the subnormals, those of the exponent fields from 1 below its, and
+             * those at it (counted by both loops) */
+            int64_t below = subnormals + counts[2 + t] + lanes.powers[t];
+            for (uint32_t e = 1; e < FLUSH[t] >> 23; e++)
+                below += bins->counts[e];
+            counts[2 + t] = below;
         }
     counts[2 + 1] += lanes.flush1;
     counts[2 + TARGETS + 1] += lanes.normal1;

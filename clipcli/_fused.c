@@ -529,13 +529,15 @@ stats_run(const float *x, Py_ssize_t i, Py_ssize_t end, stats_lanes *s, stats_bi
         __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
         base = _mm512_fmadd_pd(a, a, base);
         base = _mm512_fmadd_pd(b, b, base);
-        __m512i c0 = AVX512_C(0);
-        AVX512_ERROR(0, c0);
-        AVX512_ERROR(1, AVX512_C(1));
-        AVX512_ERROR(2, AVX512_C(2));
-        AVX512_ERROR(3, _mm512_add_epi32(c0, K(K_DROP3))); /* float16's C 8 binades up (their TINY is one) */
         /* the window: zeros (mag - 1 wraps) and the exponent fields from the least on */
         __mmask16 in = _mm512_cmpgt_epu32_mask(mag1, below);
+        __m512i c0 = AVX512_C(0);
+        AVX512_ERROR(0, c0);
+        /* bfloat16's smallest normal is float32's: its C is the exponent's but for subnormals, which lie below
+         * the window */
+        AVX512_ERROR(1, in == 0xFFFF ? _mm512_add_epi32(expo, K(K_DROP + 1)) : AVX512_C(1));
+        AVX512_ERROR(2, AVX512_C(2));
+        AVX512_ERROR(3, _mm512_add_epi32(c0, K(K_DROP3))); /* float16's C 8 binades up (their TINY is one) */
         if (!windowed) { /* a block of values spread far below their largest: the bins take them all */
             __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag1, K(K_FRACTION));
             if (is_sub) {

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +89,7 @@ class TensorStats:
     casts: tuple[CastReadiness, ...]
 
 
+@functools.lru_cache(maxsize=64)  # (asked per accumulator: few dtypes)
 def default_casts(dtype: Any) -> tuple[str, ...]:
     """The names of the cast targets narrower than `dtype` (of a complex dtype: than its parts); none for other
     dtypes."""
@@ -122,7 +125,7 @@ class StatsAccumulator:
             raise TypeError(f"no statistics for tensors of dtype {self.dtype}")
         self._floating = is_floating(self._part)
         targets = default_casts(self.dtype) if casts is None else tuple(map(_target_name, casts))
-        if any(t not in TARGETS for t in targets):
+        if casts is not None and any(t not in TARGETS for t in targets):
             raise ValueError(f"cast targets are among {list(CAST_NAMES)}, got {list(targets)}")
         self.targets = targets if self._floating else ()
         self.count = 0
@@ -317,22 +320,26 @@ class StatsAccumulator:
         used = np.flatnonzero(out[:255] | out[256:511] | out[512:767] | out[768:1023])  # (sums may lie apart)
         if used.size:  # a value is its significand times 2**unit, unit = max(E, 1) - 150: the sums as one integer
             least = max(int(used[0]), 1) - 150
-            total = squares = 0
+            shifts = (np.maximum(used, 1) - (150 + least)).tolist()  # (by maps: a fold per tensor and chunk run)
             wide = out.view(np.uint64)
             sums, lows, highs = out[256 + used].tolist(), wide[512 + used].tolist(), wide[768 + used].tolist()
-            for e, s, low, high in zip(used.tolist(), sums, lows, highs, strict=True):
-                shift = max(e, 1) - 150 - least
-                total += s << shift
-                squares += (high << 64 | low) << 2 * shift
+            total = sum(map(operator.lshift, sums, shifts))
+            squares = sum(
+                map(
+                    operator.lshift,
+                    map(operator.or_, map(operator.lshift, highs, itertools.repeat(64)), lows),
+                    map(operator.add, shifts, shifts),
+                )
+            )
             if total >= 0:
                 self._sum.add_int(total, least)
             else:
                 self._sum_neg.add_int(-total, least)
             self._squares.add_int(squares, 2 * least)
-        casts = out[STATS_SCALARS + 9 :].reshape(-1, 3)
+        casts = out[STATS_SCALARS + 9 :].tolist()  # (overflow, flush, subnormal) per target of CAST_NAMES
         for t in self.targets:
-            i = CAST_NAMES.index(t)
-            self._readiness[t] = [a + int(b) for a, b in zip(self._readiness[t], casts[i], strict=True)]
+            i = 3 * CAST_NAMES.index(t)
+            self._readiness[t] = list(map(operator.add, self._readiness[t], casts[i : i + 3]))
 
     def _count_nonfinite(self, w: np.ndarray, start: int) -> tuple[np.ndarray, int]:
         """Counts NaN and ±Inf and takes the extremes of the other values.

@@ -324,13 +324,8 @@ class StatsAccumulator:
             wide = out.view(np.uint64)
             sums, lows, highs = out[256 + used].tolist(), wide[512 + used].tolist(), wide[768 + used].tolist()
             total = sum(map(operator.lshift, sums, shifts))
-            squares = sum(
-                map(
-                    operator.lshift,
-                    map(operator.or_, map(operator.lshift, highs, itertools.repeat(64)), lows),
-                    map(operator.add, shifts, shifts),
-                )
-            )
+            wide_squares = map(operator.or_, map(operator.lshift, highs, itertools.repeat(64)), lows)  # 128 bits
+            squares = sum(map(operator.lshift, wide_squares, map(operator.add, shifts, shifts)))
             if total >= 0:
                 self._sum.add_int(total, least)
             else:

@@ -177,6 +177,8 @@ class DiffKernel:
             acc.add_identical(a)
         else:
             acc.add(a, b)
+        if a.size % BLOCK:  # a pair's last chunk (the others are whole blocks), maybe taken before the others
+            acc.end_block()
 
     def result(
         self,

@@ -168,7 +168,7 @@ class DiffAccumulator:
         """Adds the pairs `other` has seen, as a separate tensor (or another worker's whole blocks)."""
         if other.p != self.p:
             raise ValueError("cannot merge differences of different orders")
-        other._flush()
+        other.end_block()
         for mine, theirs in zip(self.sides(), other.sides(), strict=True):
             mine.merge(theirs)
         for total, part in ((self._diff, other._diff), (self._dot, other._dot), (self._dot_neg, other._dot_neg)):
@@ -181,7 +181,7 @@ class DiffAccumulator:
 
     def result(self) -> DiffStats:
         """The statistics of every pair added so far."""
-        self._flush()
+        self.end_block()
         a, b = self._a.result(), self._b.result()
         a2, b2 = self._a2.result(), self._b2.result()
         max_abs_diff = math.nan if self.nan_diff else self.max_abs_diff
@@ -228,14 +228,14 @@ class DiffAccumulator:
 
     def diff_sum(self) -> ExactSum:
         """The exact sum of |a − b|**p of every pair added so far (a block in progress included)."""
-        self._flush()
+        self.end_block()
         return self._diff
 
     def share_of(self, whole: DiffAccumulator) -> float | None:
         """The sum of |a − b|**p seen here over `whole`'s: its share of whole's ‖A − B‖**p, as
         `NormAccumulator.share_of` gives it (NaN where a difference in whole is NaN or inf)."""
-        self._flush()
-        whole._flush()
+        self.end_block()
+        whole.end_block()
         return share(self._diff, whole._diff, self.p, whole.nan_diff + whole.inf_diff > 0)
 
     def _rel(self, diff_norm: float, a: NormStats) -> float | None:
@@ -266,9 +266,13 @@ class DiffAccumulator:
             pa, pb, pd = self._pending
             self._pending = (np.concatenate([pa, wa]), np.concatenate([pb, wb]), np.concatenate([pd, d]))
         if self._pending[0].size == BLOCK:
-            self._flush()
+            self.end_block()
 
-    def _flush(self) -> None:
+    def end_block(self) -> None:
+        """Ends the block in progress: values added so far that fill no whole block (a tensor's last ones) are
+        summed as a block of their own, and the values added next start a block. Feeding a tensor's chunks out of
+        order (a worker that takes its last chunk before others of it), end the block after a chunk that is not
+        whole blocks, so that the blocks are the tensor's own from its start, as in order."""
         if self._pending is not None:
             wa, wb, d = self._pending
             self._pending = None

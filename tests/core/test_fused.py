@@ -271,7 +271,7 @@ def exact_sums(acc) -> tuple:
     """Every exact sum of an accumulator, and its counts: what each block added, to the last bit."""
     sums = [acc._sum] if isinstance(acc, NormAccumulator) else [acc._a._sum, acc._b._sum, acc._diff, acc._dot]
     if isinstance(acc, DiffAccumulator):
-        acc._flush()
+        acc.end_block()
         sums.append(acc._dot_neg)
         counts = (acc.changed, acc.max_abs_diff, acc.nan_diff, acc.inf_diff)
     else:

@@ -335,6 +335,16 @@ def _clip_together(
         opts.usage("a URL cannot be replaced in place: give -o DIR (a local path)", "--in-place")
     if output is None and not (in_place or dry_run):
         opts.usage("missing; give -o DIR (several checkpoints), --in-place or --dry-run", "-o/--output")
+    if output is not None:  # a directory, as a sharded output's (see check_output): never a file made one
+        out = Path(output)
+        if out.exists() and not out.is_dir():
+            opts.usage(f"{output} exists and is not a directory; several checkpoints go into -o DIR", "-o/--output")
+        if out.suffix and not output.endswith(("/", os.sep)) and not out.is_dir():
+            opts.usage(
+                f"several checkpoints go into a directory, not a {out.suffix} file; give -o DIR (a name without "
+                "a suffix, or ending in '/')",
+                "-o/--output",
+            )
     names = [Path(p).name for p in paths]
     given = names if output is not None else [os.path.realpath(p) for p in paths]
     twice = next((n for n in given if given.count(n) > 1), None)

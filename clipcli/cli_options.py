@@ -394,8 +394,8 @@ CountSharedOnce = Annotated[
     typer.Option(
         "--count-shared-once",
         help="Count names on one storage (tied weights of a PyTorch file) once in the global norm, as "
-        "torch.nn.utils.clip_grad_norm_(model.parameters()) does; each name keeps its row (and is written, "
-        "scaled by the one scale).",
+        "torch.nn.utils.clip_grad_norm_(model.parameters()) does; each name keeps its row (and, clipped, is "
+        "written, scaled by the one scale).",
     ),
 ]
 CombinedOpt = Annotated[

@@ -109,11 +109,26 @@ def describe(head: bytes) -> str:
         return "a gzip file"
     if head[257:262] == b"ustar":
         return "a tar archive (torch.save's format until early 2017, torch 0.1.x, which clipcli does not read)"
-    if text.startswith((b"{", b"[")):
+    if text.startswith((b"{", b"[")) and _json_start(head):
         return "a JSON file"
     if _is_text(head):
         return "a text file"
     return UNKNOWN
+
+
+def _json_start(head: bytes) -> bool:
+    """Whether the first bytes of a file (all of it, or its start) are JSON, or JSON cut short: not a TOML or INI
+    file's `[section]`."""
+    import json  # (an error's message alone needs it)
+
+    text = head.decode("utf-8", "ignore")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:  # cut short: the error at the end, or in a string the cut left open
+        return e.pos >= len(text.rstrip()) or e.msg.startswith(("Unterminated string", "Extra data"))
+    except RecursionError:
+        return True
+    return True
 
 
 def _is_text(head: bytes) -> bool:

@@ -227,7 +227,7 @@ def diff(
     in chunks.
 
     Raises:
-        UsageError: when --include/--exclude select nothing in either checkpoint.
+        UsageError: when --include/--exclude leave either checkpoint with no tensor.
     """
     selection, p, depth, sort, top = options.selection, options.ord, options.depth, options.sort, options.top
     listed_a, listed_b = _listed(a.tensors, selection), _listed(b.tensors, selection)

@@ -17,7 +17,7 @@ from clipcli.commands.measure import measure, nonfinite_counts
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, select
 from clipcli.core.hashing import checkpoint_hash
-from clipcli.errors import CheckFailedError, InputError, UsageError
+from clipcli.errors import CheckFailedError, InputError, MalformedError, MissingFileError, UsageError
 from clipcli.report.render import plural
 from clipcli.report.verify import Changed, ManifestCheck, Problem, VerifyReport
 
@@ -49,17 +49,19 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The manifest of one checkpoint in a file `clipcli hash --format json` wrote.
 
     Raises:
-        UsageError: for a file that cannot be read, is not such a manifest, holds several checkpoints' or
-            one whose tensors do not give its checkpoint hash (cut by --top, or edited).
+        MissingFileError: for a file that cannot be read (exit 3, as a checkpoint that cannot be).
+        MalformedError: for one that is not such a manifest, or one whose tensors do not give its checkpoint
+            hash (cut by --top, or edited).
+        UsageError: for a manifest of several checkpoints.
     """
 
-    def bad(what: str) -> UsageError:
-        return UsageError(f"not a manifest of `clipcli hash --format json`: {what}", path, "--manifest")
+    def bad(what: str) -> MalformedError:
+        return MalformedError(f"not a manifest of `clipcli hash --format json`: {what}", path)
 
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
-        raise UsageError(f"cannot read the manifest: {e.strerror or e}", path, "--manifest") from e
+        raise MissingFileError(f"cannot read the manifest: {e.strerror or e}", path) from e
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise bad(f"not JSON ({' '.join(str(e).split())[:100]})") from e
     if not isinstance(doc, dict) or doc.get("command") != "hash" or doc.get("schema") != 1:
@@ -67,7 +69,11 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     checkpoints = doc.get("checkpoints")
     if not isinstance(checkpoints, list) or len(checkpoints) != 1:
         n = len(checkpoints) if isinstance(checkpoints, list) else 0
-        raise bad(f"it holds {n} checkpoints' hashes, where verify takes one (hash each checkpoint on its own)")
+        raise UsageError(
+            f"a manifest of {n} checkpoints' hashes, where verify takes one's (hash each checkpoint on its own)",
+            path,
+            "--manifest",
+        )
     c = checkpoints[0]
     if not (isinstance(c, dict) and isinstance(c.get("hash"), str) and isinstance(c.get("tensors"), list)):
         raise bad('no "hash" and "tensors"')

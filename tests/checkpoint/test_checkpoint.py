@@ -848,6 +848,24 @@ def test_a_text_file_named_safetensors_is_called_text(tmp_path):
     assert (result.exit_code, result.stderr) == (3, f"clipcli: error: {path}: not a safetensors file: a text file\n")
 
 
+@pytest.mark.parametrize(
+    ("text", "what"),
+    [
+        ('[tool.ruff]\nline-length = 120\n', "a text file"),  # found by a new user: TOML was "a JSON file"
+        ("[section]\nkey = value\n", "a text file"),
+        ('[1, 2, {"a": "b"}]\n', "a JSON file"),
+        ('{"weight_map": {"a": "' + "x" * 600 + '"}}', "a JSON file"),  # cut short in a string at 512 bytes
+        ('{"a": [' + "1, " * 300 + "1]}", "a JSON file"),  # cut short between values
+        ('{"a": 1}\n{"a": 2}\n', "a JSON file"),  # JSON lines
+    ],
+)
+def test_json_and_text_files_are_told_apart(tmp_path, text, what):
+    path = tmp_path / "config.bin"
+    path.write_text(text)
+    result = run("inspect", path)
+    assert result.exit_code == 3 and result.stderr.endswith(f": {what}\n"), result.stderr
+
+
 def test_a_pytorch_zip_named_npz_is_called_a_pytorch_checkpoint(tmp_path):
     # found trying clipcli as a new user: a PyTorch zip named .npz was not called a PyTorch checkpoint
     path = tmp_path / "model.npz"

@@ -205,3 +205,25 @@ def test_a_dry_run_of_several_needs_no_dir_and_a_refused_clip_leaves_none(ranks,
     assert refused.exit_code == 1 and not (tmp_path / "o").exists()
     empty = run("clip-global-norm", *paths, "-o", tmp_path / "o2", "--clip-norm", "1", "--include", "zzz")
     assert empty.exit_code == 2 and not (tmp_path / "o2").exists()
+
+
+def test_several_go_into_a_directory_never_into_a_file_or_a_name_with_a_suffix(ranks, tmp_path):
+    # found by a new user: an existing file as -o crashed (exit 70, FileExistsError); `-o out.safetensors` or
+    # `-o out.txt` made a directory of that name (which then reads as a broken set of shards), exit 0
+    paths, _ = ranks
+    existing = tmp_path / "existing.safetensors"
+    existing.write_bytes(b"keep")
+    for out, says in (
+        (existing, "exists and is not a directory"),
+        (tmp_path / "made.safetensors", "not a .safetensors file"),
+        (tmp_path / "made.txt", "not a .txt file"),
+    ):
+        result = run("clip-global-norm", *paths, "-o", out, "--clip-norm", "1", "--prefix-with-file")
+        assert result.exit_code == 2 and "Invalid value for -o/--output" in result.output and says in result.output
+    assert existing.read_bytes() == b"keep" and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [existing.name, *(p.name for p in paths)]
+    )
+    slash = run("clip-global-norm", *paths, "-o", f"{tmp_path / 'dir.v2'}/", "--clip-norm", "1", "-q")
+    assert slash.exit_code == 0 and sorted(p.name for p in (tmp_path / "dir.v2").iterdir()) == sorted(
+        p.name for p in paths
+    )

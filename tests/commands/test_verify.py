@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 import clipcli
 from clipcli.checkpoint import engine as _engine
 from clipcli.commands.verify import read_manifest
-from clipcli.errors import MissingFileError, UsageError
-from tests.helpers import DATA, WRITTEN_BY_TORCH, dcp_checkpoint, write_st
+from clipcli.errors import MalformedError, MissingFileError, UsageError
+from tests.helpers import DATA, WRITTEN_BY_TORCH, dcp_checkpoint, run, write_st
 
 RNG = np.random.default_rng(25)
 TENSORS = {
@@ -202,11 +202,15 @@ def test_every_file_torch_wrote_verifies_clean(path: Path) -> None:
 # -- manifests ---------------------------------------------------------------------------------------------
 
 
-def test_malformed_manifests_are_usage_errors(tmp_path: Path) -> None:
+def test_unreadable_manifests_are_unreadable_input_and_several_checkpoints_a_usage_error(tmp_path: Path) -> None:
+    # found by a new user: a missing manifest was a usage error (2); verify exits 0, 1 or 3 (spec)
     a = write_st(tmp_path / "a.safetensors", TENSORS)
     b = write_st(tmp_path / "b.safetensors", {"x": np.ones(2)})
+    (tmp_path / "two.json").write_text(clipcli.hash_of(a, b).to_json())
+    with pytest.raises(UsageError, match="a manifest of 2 checkpoints") as info:
+        read_manifest(tmp_path / "two.json")
+    assert info.value.param == "--manifest"
     cases = {
-        "two.json": (clipcli.hash_of(a, b).to_json(), "2 checkpoints"),
         "top.json": (clipcli.hash_of(a, top=1).to_json(), "--top"),
         "text.json": ("{", "not JSON"),
         "norms.json": (clipcli.global_norm_of(a).to_json(), '"command": "hash"'),
@@ -214,8 +218,12 @@ def test_malformed_manifests_are_usage_errors(tmp_path: Path) -> None:
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
-        with pytest.raises(UsageError, match=message.replace("[", r"\[")) as info:
+        with pytest.raises(MalformedError, match=message.replace("[", r"\[")):
             read_manifest(tmp_path / name)
-        assert info.value.param == "--manifest"
-    with pytest.raises(UsageError, match="cannot read the manifest"):
+    with pytest.raises(MissingFileError, match="cannot read the manifest"):
         read_manifest(tmp_path / "missing.json")
+    missing = run("verify", a, "--manifest", tmp_path / "missing.json")
+    assert missing.exit_code == 3 and missing.stderr == (
+        f"clipcli: error: {tmp_path / 'missing.json'}: cannot read the manifest: No such file or directory\n"
+    )
+    assert run("verify", a, "--manifest", tmp_path / "text.json").exit_code == 3

@@ -851,7 +851,7 @@ def test_a_text_file_named_safetensors_is_called_text(tmp_path):
 @pytest.mark.parametrize(
     ("text", "what"),
     [
-        ('[tool.ruff]\nline-length = 120\n', "a text file"),  # found by a new user: TOML was "a JSON file"
+        ("[tool.ruff]\nline-length = 120\n", "a text file"),  # found by a new user: TOML was "a JSON file"
         ("[section]\nkey = value\n", "a text file"),
         ('[1, 2, {"a": "b"}]\n', "a JSON file"),
         ('{"weight_map": {"a": "' + "x" * 600 + '"}}', "a JSON file"),  # cut short in a string at 512 bytes

@@ -57,7 +57,8 @@ def trajectory(
 ) -> TrajectoryReport:
     """One step per checkpoint: its global norm and content hash, and against the previous checkpoint ‖Δ‖, the
     relative change and the cosine, plus the cosine to the first; identical to the previous one when their
-    checkpoint hashes (over the selected tensors, names included) are equal.
+    checkpoint hashes (over the selected tensors, names included) are equal and no tensor without a content hash
+    differs.
 
     The differences are `diff`'s (tensors matched by name, floating tensors compared by value, the figures over
     the tensors both have); the global norm is `global-norm`'s, over every selected floating tensor. Each
@@ -78,10 +79,13 @@ def trajectory(
             hashes = hash_checkpoint(ckpt, HashOptions(o.selection, jobs=o.jobs), progress)
             norms = global_norm(ckpt, norm_options, progress)
             to_previous = to_first = None
+            identical = False
             if previous is not None:
-                to_previous = _compared(diff(previous, ckpt, diff_options, progress))
+                against = diff(previous, ckpt, diff_options, progress)
+                to_previous = _compared(against)
                 to_first = to_previous if previous is first else _compared(diff(first, ckpt, diff_options, progress))
-            identical = bool(steps) and steps[-1].hash == hashes.hash
+                # the hashes leave out tensors with no content hash (strings, quantized ones): diff compares those
+                identical = steps[-1].hash == hashes.hash and not against.tensors_differ
             steps.append(_step(path, ckpt, hashes.hash, norms, to_previous, to_first, identical))
             if previous is not None and previous is not first:
                 previous.close()

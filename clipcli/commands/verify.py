@@ -12,7 +12,7 @@ from pathlib import Path
 from clipcli.checkpoint import Checkpoint, Finding, find_defects, open_checkpoint
 from clipcli.checkpoint.source import Store
 from clipcli.commands.audit import pickle_audit
-from clipcli.commands.hash import HashOptions, hash_checkpoint
+from clipcli.commands.hash import HashOptions, hash_checkpoint, reason_to_skip
 from clipcli.commands.measure import measure, nonfinite_counts
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, select
@@ -160,9 +160,14 @@ def _problem(f: Finding) -> Problem:
 
 
 def _compare(ckpt: Checkpoint, manifest: Manifest, options: VerifyOptions, progress: Progress) -> ManifestCheck:
-    """The checkpoint's selected tensors hashed (`hash`'s own pass) and compared with the manifest's."""
+    """The checkpoint's selected tensors hashed (`hash`'s own pass) and compared with the manifest's; those
+    selected that have no content hash (a type carried as bytes, a quantized or sparse tensor) are unverified,
+    so that a manifest never passes a tensor nothing was compared of."""
     selection = options.selection
     hashed = hash_checkpoint(ckpt, HashOptions(selection, jobs=options.jobs), progress)
+    unverified = tuple(
+        (t.name, why) for t in ckpt.tensors if selection.listed(t) and (why := reason_to_skip(t, selection)) is not None
+    )
     expected = {name: (dtype, shape, sha) for name, dtype, shape, sha in manifest.tensors if selection.selects(name)}
     got = {t.name: t for t in hashed.tensors}
     changed = [
@@ -181,6 +186,7 @@ def _compare(ckpt: Checkpoint, manifest: Manifest, options: VerifyOptions, progr
         missing=tuple(sorted(expected.keys() - got.keys())),
         extra=tuple(sorted(got.keys() - expected.keys())),
         changed=tuple(sorted(changed, key=lambda c: c.name)),
+        unverified=unverified,
     )
 
 

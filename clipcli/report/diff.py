@@ -104,16 +104,24 @@ class DiffReport(Report):
     def different(self) -> list[str]:
         """What differs, in words (empty when the checkpoints hold the same names, shapes, dtypes, values and
         metadata)."""
+        return self._said(self.metadata_differs)
+
+    @property
+    def tensors_differ(self) -> bool:
+        """Whether the tensors differ in any way `different` says (metadata aside)."""
+        return bool(self._said(()))
+
+    def _said(self, metadata_differs: tuple[str, ...]) -> list[str]:
         out = []
         changed = [r.name for r in self.tensors if r.changed] + [r.name for r in self.others if r.changed is None]
         # the same values in another dtype (float32 against bfloat16 of bfloat16 values): said apart
         retyped = [r.name for r in (*self.tensors, *self.others) if r.changed == 0 and r.dtype_a != r.dtype_b]
         differ = "tensor differs" if len(changed) == 1 else "tensors differ"
         dtypes = "tensor differs in dtype only" if len(retyped) == 1 else "tensors differ in dtype only"
-        keys = "metadata key differs" if len(self.metadata_differs) == 1 else "metadata keys differ"
+        keys = "metadata key differs" if len(metadata_differs) == 1 else "metadata keys differ"
         for names, what in (
             (changed, differ), (retyped, dtypes), (self.only_a, "only in A"), (self.only_b, "only in B"),
-            (self.metadata_differs, keys),
+            (metadata_differs, keys),
         ):  # fmt: skip
             if names:
                 more = ", ..." if len(names) > 1 else ""

@@ -58,13 +58,14 @@ class ManifestCheck:
     missing: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
     changed: tuple[Changed, ...] = ()
+    unverified: tuple[tuple[str, str], ...] = ()  # (name, why): selected tensors with no content hash to compare
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", shown_path(self.path))
 
     @property
     def matches(self) -> bool:
-        return self.hash == self.manifest_hash and not (self.missing or self.extra or self.changed)
+        return self.hash == self.manifest_hash and not (self.missing or self.extra or self.changed or self.unverified)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +87,7 @@ class VerifyReport(Report):
     @property
     def problems(self) -> tuple[Problem, ...]:
         """Every finding: the structure's and values', then the manifest's differences (kinds `missing`, `extra`,
-        `changed` and `checkpoint-hash`)."""
+        `changed` and `checkpoint-hash`) and the tensors it cannot vouch for (`unverified`: no content hash)."""
         m = self.manifest
         if m is None:
             return self.findings
@@ -98,6 +99,10 @@ class VerifyReport(Report):
             Problem(self.path, name, "extra", f"in the checkpoint, not in the manifest {m.path}") for name in m.extra
         ]
         out += [Problem(self.path, c.name, "changed", c.what) for c in m.changed]
+        out += [
+            Problem(self.path, name, "unverified", f"not compared with the manifest: {why}")
+            for name, why in m.unverified
+        ]
         if m.hash != m.manifest_hash:
             out.append(
                 Problem(self.path, None, "checkpoint-hash", f"{m.hash} where the manifest has {m.manifest_hash}")
@@ -136,6 +141,7 @@ class VerifyReport(Report):
                 "missing": list(m.missing),
                 "extra": list(m.extra),
                 "changed": changed,
+                "unverified": [{"name": name, "reason": why} for name, why in m.unverified],
             }
         return add_audit(out, self.pickle)
 

@@ -56,6 +56,27 @@ def test_an_expanded_scalar_is_normed_in_bounded_memory(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "views",
+    [
+        [((100_000, 100_000), (0, 0))],  # found by a red team: torch.ones(1).expand(10**5, 10**5), 12.6 s
+        [((500,) * 4, (1,) * 4)],  # as_strided over 2,000 floats: 6.25 * 10**10 values, never finished
+        [((2**31 - 1, 2**31 - 1), (0, 0))],  # 4.6 * 10**18 values
+        [((2**28 + 1,), (0,)), ((2**28 + 1,), (0,))],  # each within the limit, not both
+    ],
+)
+def test_views_repeating_more_values_than_a_file_justifies_are_refused_at_once(tmp_path, views):
+    # a file may not cost more time than its bytes justify: every command streams each value a view shows
+    obj = {f"v{i}": torch_view("float32", 2000, shape, strides) for i, (shape, strides) in enumerate(views)}
+    path = tmp_path / "repeat.pt"
+    path.write_bytes(torch_zip(obj, {"0": bytes(8000)}))
+    assert path.stat().st_size < 10_000
+    for command in ("inspect", "global-norm", "hash"):
+        r = run_bounded(command, path, seconds=20, memory_mb=500)
+        assert r.returncode == 3 and r.seconds < 5, r
+        assert r.stderr.count("\n") == 1 and "would repeat more than 2**29 values in all" in r.stderr, r
+
+
+@pytest.mark.parametrize(
     ("shape", "strides", "offset"),
     [
         ((50, 30), (1, 50), 0),  # a transpose

@@ -91,6 +91,16 @@ def test_a_copy_under_another_format_is_identical_too(steps, tmp_path):
     assert report["checkpoints"][1]["delta"] == 0.0
 
 
+def test_tensors_without_a_content_hash_that_differ_are_never_identical(tmp_path):
+    # found by a red team: byte strings (no content hash) that differ were flagged identical
+    a, b, c = (tmp_path / f"step-{i}.npz" for i in (1, 2, 3))
+    np.savez(a, f=np.ones(3, F32), x=np.array([b"abc"]))
+    np.savez(b, f=np.ones(3, F32), x=np.array([b"abd"]))
+    np.savez(c, f=np.ones(3, F32), x=np.array([b"abd"]))
+    report = js("trajectory", a, b, c)
+    assert [r["identical_to_previous"] for r in report["checkpoints"]] == [False, False, True]
+
+
 def test_keep_order_and_steps_from_names(steps):
     d, _ = steps
     given = [d / "step-1000.safetensors", d / "step-20.safetensors"]

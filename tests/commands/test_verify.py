@@ -202,6 +202,23 @@ def test_every_file_torch_wrote_verifies_clean(path: Path) -> None:
 # -- manifests ---------------------------------------------------------------------------------------------
 
 
+def test_tensors_without_a_content_hash_are_unverified_never_passed(tmp_path: Path) -> None:
+    # found by a red team: a manifest passed a changed byte-string member (hash skips it), exit 0, "verified"
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    np.savez(a, f=np.ones(3, np.float32), x=np.array([b"abc"]))
+    np.savez(b, f=np.ones(3, np.float32), x=np.array([b"abd"]))
+    manifest = tmp_path / "m.json"
+    manifest.write_text(clipcli.hash_of(a).to_json())
+    for path in (a, b):
+        result = run("verify", path, "--manifest", manifest, "--format", "json")
+        assert result.exit_code == 1, result.output
+        report = json.loads(result.stdout)
+        assert report["manifest"]["unverified"] == [{"name": "x", "reason": "no content hash of S3 (carried as bytes)"}]
+        assert [(f["tensor"], f["kind"]) for f in report["findings"]] == [("x", "unverified")]
+    excluded = run("verify", b, "--manifest", manifest, "--exclude", "x")
+    assert excluded.exit_code == 0, excluded.output
+
+
 def test_unreadable_manifests_are_unreadable_input_and_several_checkpoints_a_usage_error(tmp_path: Path) -> None:
     # found by a new user: a missing manifest was a usage error (2); verify exits 0, 1 or 3 (spec)
     a = write_st(tmp_path / "a.safetensors", TENSORS)

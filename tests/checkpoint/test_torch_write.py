@@ -814,3 +814,28 @@ def test_plain_metadata_pickles_as_python_reads_it(value):
 def test_more_than_256_memoized_globals_and_strings_pickle():
     value = {f"k{i}": [i, -i, float(i), {1, 2, i}, b"ab", 1j] for i in range(400)}
     assert pickle.loads(_pickled(value)) == value
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict"])
+def test_metadata_nested_as_deep_as_the_reader_takes_is_written_back(tmp_path, kind):
+    # found by a red team: 500 nested tuples (or 990 lists or dicts) of metadata, which the reader and
+    # torch.load(weights_only=True) take, made the .pt writer exit 70 (RecursionError)
+    from tests.helpers import torch_view, torch_zip
+
+    depth = {"tuple": 500, "list": 990, "dict": 990}[kind]
+    leaf: object = "leaf"
+    for _ in range(depth):
+        leaf = (leaf,) if kind == "tuple" else [leaf] if kind == "list" else {"k": leaf}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * depth))  # (the test's own pickler recurses)
+    try:
+        data = torch_zip({"w": torch_view("float32", 3, (3,), (1,)), "meta": leaf}, {"0": bytes(12)})
+    finally:
+        sys.setrecursionlimit(limit)
+    src = tmp_path / "deep.pt"
+    src.write_bytes(data)
+    out = tmp_path / "out.pt"
+    ok("convert", src, "-o", out)
+    before, after = js("inspect", src)["checkpoints"][0], js("inspect", out)["checkpoints"][0]
+    assert after["metadata"] == before["metadata"] and len(before["metadata"]) == 1
+    assert _hashes(out) == _hashes(src)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import shlex
 import struct
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,6 +42,7 @@ import numpy as np
 
 from clipcli.checkpoint.copy import FileRange
 from clipcli.checkpoint.crc import crc32
+from clipcli.checkpoint.formats._pickle import MAX_DEPTH
 from clipcli.checkpoint.formats._torch_archive import ALIGNMENT, Archive, folder_of
 from clipcli.checkpoint.formats._torch_pickler import STORAGE, Call, Pickler, TensorRef
 from clipcli.checkpoint.source import LOCAL, Store
@@ -84,6 +86,13 @@ def _keeping(module: str, name: str) -> Any:
     return found
 
 
+def _deep_enough() -> None:
+    """Room for the walks over the object written (`_rebuild`, `_collect`, the pickler: a few frames a level)
+    through as many levels as the reader takes (MAX_DEPTH): raised, never lowered again, as a thread may be
+    deep in one while another ends."""
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 5 * MAX_DEPTH + 1000))
+
+
 def _layout(tensors: list[TensorInfo], metadata: dict[str, str], store: Store) -> Any:
     """The object to pickle: the input's own structure (the tensors of one torch.save file), or a dict of the
     tensors in order (from any other input, a TorchScript archive's included: its `state_dict()` names).
@@ -91,6 +100,7 @@ def _layout(tensors: list[TensorInfo], metadata: dict[str, str], store: Store) -
     Raises:
         UnsupportedError: for a metadata leaf that is not plain data (a placeholder, a dtype, a set, ...).
     """
+    _deep_enough()
     source = _torch_source(tensors, store)
     if source is not None and not source[2]:
         path, root, _ = source

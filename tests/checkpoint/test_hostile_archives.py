@@ -104,6 +104,18 @@ def test_index_shard_paths_that_leave_the_directory_are_refused(tmp_path: Path, 
     refused(run_bounded("inspect", index, seconds=30), "leaves the checkpoint's directory")
 
 
+def test_an_index_shard_path_ending_in_a_slash_is_refused(tmp_path: Path) -> None:
+    # found by a red team: "s1.safetensors/" was read as s1.safetensors by inspect and the clips (their
+    # rewritten index dropped the slash), and called a stray shard by verify; a loader opening it finds no file
+    (tmp_path / "s1.safetensors").write_bytes(st_bytes({"a": np.ones(2, np.float32)}))
+    (tmp_path / "s2.safetensors").write_bytes(st_bytes({"b": np.ones(2, np.float32)}))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors/", "b": "s2.safetensors"}}))
+    refused(run_bounded("inspect", index, seconds=30), "names a directory, not a shard file")
+    found = run_bounded("verify", index, seconds=30)  # a defect found: verify's finding, exit 1
+    assert found.returncode == 1 and "index: shard path 's1.safetensors/' names a directory" in found.stderr, found
+
+
 # -- bzip2 and LZMA bombs, Fortran order ----------------------------------------------------------------
 
 
@@ -346,3 +358,19 @@ def test_header_objects_in_other_key_orders_and_shapes_still_read(tmp_path: Path
     bad.write_bytes(raw_safetensors({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, bytes(4)))
     refused(run_bounded("inspect", bad, seconds=10), "tensor dtype", "not a JSON object")
     pickle.dumps(ckpt.tensors)  # records with slots still go to worker processes
+
+
+@pytest.mark.parametrize("cut", [6, 9, 20])
+def test_a_stored_member_cut_short_is_read_within_its_own_bytes(tmp_path: Path, cut: int) -> None:
+    # found by a red team: a member of b"\x93NUMPY" alone read its version from the next zip record ("PK":
+    # "unknown .npy format version 80.75"); np.load refuses it as cut short too
+    whole = io.BytesIO()
+    np.save(whole, np.arange(3.0))
+    path = tmp_path / "cut.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x.npy", whole.getvalue()[:cut])
+        z.writestr("y.npy", whole.getvalue())
+    with pytest.raises(ValueError):
+        np.load(path)["x"]
+    r = run_bounded("inspect", path)
+    assert (r.returncode, r.stderr) == (3, f"clipcli: error: {path}: tensor x: truncated .npy header\n"), r

@@ -105,8 +105,10 @@ def read_npy_header(f: BinaryIO, head: bytes = b"") -> NpyHeader:
         UnsupportedError: for raw bytes that hide a bfloat16 or float8 type.
     """
     prefix = head + f.read(8 - len(head))
-    if len(prefix) < 8 or not prefix.startswith(MAGIC):
+    if not (prefix.startswith(MAGIC) or MAGIC.startswith(prefix)):
         raise MalformedError("not a .npy member (bad magic string)")
+    if len(prefix) < 8:
+        raise MalformedError("truncated .npy header")
     major, minor = prefix[6], prefix[7]
     if (major, minor) not in ((1, 0), (2, 0), (3, 0)):
         raise MalformedError(f"unknown .npy format version {major}.{minor}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import re
 import struct
 import zipfile
@@ -111,9 +112,9 @@ def _member_tensor(
         )
     start = data_start(raw, member)
     with contextlib.ExitStack() as stack:
-        if stored:  # read in place, past the local header: no decompressor to set up
+        if stored:  # read in place, past the local header: its header's bytes alone, never the next member's
             raw.seek(start)
-            stream: BinaryIO = raw
+            stream: BinaryIO = io.BytesIO(raw.read(min(member.file_size, 12 + _npy.MAX_HEADER)))
         else:
             stream = stack.enter_context(MemberStream(raw, member, start))
         magic = stream.read(len(_npy.MAGIC))
@@ -124,6 +125,9 @@ def _member_tensor(
             )  # fmt: skip
         header = _npy.read_npy_header(stream, magic)
         if header.pickled:  # its data is a pickle of whatever length: audited, then carried as it is
+            if stored:
+                raw.seek(start + header.data_offset)
+                stream = raw
             _npy.audit_pickle(stream, member.file_size - header.data_offset, audit)
             location = ZipMember(member.filename, header.data_offset)
             if stored:

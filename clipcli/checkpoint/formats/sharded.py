@@ -88,6 +88,8 @@ def _read_index(path: Path, store: Store) -> tuple[dict[str, Any], dict[str, lis
             raise MalformedError("the index maps a tensor to an empty shard name", path)
         if os.path.isabs(shard) or ".." in Path(shard).parts:
             raise MalformedError(f"shard path {shard!r} leaves the checkpoint's directory", path)
+        if shard.endswith(("/", os.sep)):  # (Path would drop the slash; a loader opening it finds a directory)
+            raise MalformedError(f"shard path {shard!r} names a directory, not a shard file", path)
     return index, names
 
 

@@ -332,3 +332,25 @@ def test_loads_with_weights_only_is_torchs_verdict_on_every_pickle_in_the_test_d
     # torch 2.x fails on legacy untyped storages (an AttributeError inside torch.load, either way it loads)
     assert [Path(p).name for p, v in verdicts.items() if v is None] == ["untyped_legacy.pt"]
     assert sum(v is True for v in verdicts.values()) >= 10 and sum(v is False for v in verdicts.values()) >= 10
+
+
+@pytest.mark.parametrize("place", ["bare", "magic", "version", "sys_info", "keys"])
+def test_a_call_in_a_legacy_files_other_pickles_is_named_in_its_refusal(tmp_path: Path, place: str) -> None:
+    # found by a red team: os.system in place of the magic number (torch.load runs it, then refuses the file),
+    # or a bare pickle named .pt, were refused as "a Python pickle" without a word of the call
+    command = f"touch {SENTINEL}".encode()
+    call = b"\x80\x02cos\nsystem\nX" + struct.pack("<I", len(command)) + command + b"\x85R."
+    path = tmp_path / "evil.pt"
+    if place == "bare":
+        path.write_bytes(call)
+    else:  # torch_legacy's pickles, one replaced
+        sys_info = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 8}}
+        parts = [pickle.dumps(x, 2) for x in (0x1950A86A20F9469CFC6C, 1001, sys_info)]
+        parts += [b"\x80\x02" + torch_tensor_pickle(legacy=True) + b".", pickle.dumps(["0"], 2)]
+        parts.append(struct.pack("<q", 4) + ONE)
+        parts[{"magic": 0, "version": 1, "sys_info": 2, "keys": 4}[place]] = call
+        path.write_bytes(b"".join(parts))
+    r = run_bounded("inspect", path, "--fail-unsafe-pickle", cwd=tmp_path)
+    assert r.returncode == 3 and r.stderr.count("\n") == 1, r
+    assert "torch.load would call os.system before refusing it (never called here)" in r.stderr, r
+    assert not (tmp_path / SENTINEL).exists()

@@ -272,6 +272,11 @@ def _read_legacy(region: Region, head: bytes, audit: Audit, resolver: Resolver) 
             if window >= region.size or window >= MAX_PICKLE:
                 raise
             window = min(region.size, window * 8, MAX_PICKLE)
+        except InputError as e:  # torch.load runs the pickles it reads before it refuses the file: said
+            unsafe = attempt.result("").unsafe_calls
+            if unsafe:
+                e.message += f"; torch.load would call {', '.join(unsafe)} before refusing it (never called here)"
+            raise
     audit.uses.update(attempt.uses)
     audit.weights_only = audit.weights_only and attempt.weights_only
     pos = end
@@ -297,7 +302,7 @@ def _read_legacy(region: Region, head: bytes, audit: Audit, resolver: Resolver) 
 
 def _legacy_pickles(data: bytes, head: bytes, audit: Audit, resolver: Resolver) -> tuple[Any, Storages, list[str], int]:
     try:  # ~15 bytes, well inside the first window: any failure means another kind of file
-        magic, pos = unpickle_at(data, 0, resolve_nothing, audit=audit)
+        magic, pos = unpickle_at(data, 0, resolve_nothing, audit=audit, placeholders=True)
     except MalformedError:
         magic, pos = None, 0
     if type(magic) is not int or magic != MAGIC_NUMBER:
@@ -307,15 +312,16 @@ def _legacy_pickles(data: bytes, head: bytes, audit: Audit, resolver: Resolver) 
         if what.startswith("a Python pickle"):
             what = "a Python pickle, not a torch.save file"
         raise FileTypeError(f"not a PyTorch file: {what}")
-    version, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
+    version, pos = unpickle_at(data, pos, resolve_nothing, audit=audit, placeholders=True)
     if version != PROTOCOL_VERSION:
-        raise UnsupportedError(f"legacy torch.save protocol version {version!r} (clipcli reads {PROTOCOL_VERSION})")
-    sys_info, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
+        shown = repr(version) if type(version) in (int, str, float) else f"of a {type(version).__name__}"
+        raise UnsupportedError(f"legacy torch.save protocol version {shown} (clipcli reads {PROTOCOL_VERSION})")
+    sys_info, pos = unpickle_at(data, pos, resolve_nothing, audit=audit, placeholders=True)
     if not isinstance(sys_info, dict):
         raise MalformedError("the legacy file's system information is not a dict")
     storages = Storages(legacy=True)
     root, pos = unpickle_at(data, pos, resolver, storages.persistent_load, audit, placeholders=True)
-    keys, pos = unpickle_at(data, pos, resolve_nothing, audit=audit)
+    keys, pos = unpickle_at(data, pos, resolve_nothing, audit=audit, placeholders=True)
     if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
         raise MalformedError("the legacy file's storage keys are not a list of distinct strings")
     return root, storages, keys, pos

@@ -352,5 +352,22 @@ def test_a_call_in_a_legacy_files_other_pickles_is_named_in_its_refusal(tmp_path
         path.write_bytes(b"".join(parts))
     r = run_bounded("inspect", path, "--fail-unsafe-pickle", cwd=tmp_path)
     assert r.returncode == 3 and r.stderr.count("\n") == 1, r
-    assert "torch.load would call os.system before refusing it (never called here)" in r.stderr, r
+    assert "torch.load would call os.system (never called here)" in r.stderr, r
+    assert not (tmp_path / SENTINEL).exists()
+
+
+def test_a_magic_number_made_by_a_call_has_every_later_call_audited(tmp_path: Path) -> None:
+    # found in picklescan's test data (pytorch_magic_bypass.pt): eval('0x1950A86A20F9469CFC6C') is torch's magic
+    # number, so torch.load goes on and calls posix.system from the object's pickle; only builtins.eval was named
+    eval_magic = b"\x80\x02c__builtin__\neval\nX\x16\x00\x00\x000x1950A86A20F9469CFC6C\x85R."
+    command = f"touch {SENTINEL}".encode()
+    call = b"cposix\nsystem\nX" + struct.pack("<I", len(command)) + command + b"\x85R"
+    obj = b"\x80\x02}(X\x01\x00\x00\x00w" + torch_tensor_pickle(legacy=True) + b"X\x01\x00\x00\x00x" + call + b"u."
+    sys_info = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 8}}
+    parts = [eval_magic, pickle.dumps(1001, 2), pickle.dumps(sys_info, 2), obj, pickle.dumps(["0"], 2)]
+    path = tmp_path / "bypass.pt"
+    path.write_bytes(b"".join(parts) + struct.pack("<q", 4) + ONE)
+    r = run_bounded("inspect", path, "--fail-unsafe-pickle", cwd=tmp_path)
+    assert r.returncode == 3 and r.stderr.count("\n") == 1, r
+    assert "is the result of a call; torch.load would call builtins.eval, posix.system (never called here)" in r.stderr
     assert not (tmp_path / SENTINEL).exists()

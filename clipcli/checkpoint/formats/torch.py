@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 from clipcli.checkpoint.formats._common import first_zip_member
 from clipcli.checkpoint.formats._pickle import (
     PickleTruncatedError,
+    Placeholder,
     unpickle_at,
 )
 from clipcli.checkpoint.formats._pickle_audit import Audit
@@ -266,16 +267,16 @@ def _read_legacy(region: Region, head: bytes, audit: Audit, resolver: Resolver) 
         data = region.pread(0, window)
         try:
             attempt = Audit()  # counted again if the window grows
-            root, storages, keys, end = _legacy_pickles(data, head, attempt, resolver)
+            root, storages, keys, end = _legacy_pickles(data, head, attempt, resolver, window >= region.size)
             break
         except PickleTruncatedError:
             if window >= region.size or window >= MAX_PICKLE:
                 raise
             window = min(region.size, window * 8, MAX_PICKLE)
-        except InputError as e:  # torch.load runs the pickles it reads before it refuses the file: said
+        except InputError as e:  # torch.load runs the pickles it reads, whatever it then makes of them: said
             unsafe = attempt.result("").unsafe_calls
             if unsafe:
-                e.message += f"; torch.load would call {', '.join(unsafe)} before refusing it (never called here)"
+                e.message += f"; torch.load would call {', '.join(unsafe)} (never called here)"
             raise
     audit.uses.update(attempt.uses)
     audit.weights_only = audit.weights_only and attempt.weights_only
@@ -300,12 +301,20 @@ def _read_legacy(region: Region, head: bytes, audit: Audit, resolver: Resolver) 
     return root, storages, end
 
 
-def _legacy_pickles(data: bytes, head: bytes, audit: Audit, resolver: Resolver) -> tuple[Any, Storages, list[str], int]:
+def _legacy_pickles(
+    data: bytes, head: bytes, audit: Audit, resolver: Resolver, whole: bool
+) -> tuple[Any, Storages, list[str], int]:
     try:  # ~15 bytes, well inside the first window: any failure means another kind of file
         magic, pos = unpickle_at(data, 0, resolve_nothing, audit=audit, placeholders=True)
     except MalformedError:
         magic, pos = None, 0
     if type(magic) is not int or magic != MAGIC_NUMBER:
+        if isinstance(magic, Placeholder):  # a call's result, maybe the magic number (eval('0x1950...')): then
+            _audit_rest(data, pos, audit, resolver, whole)  # torch.load goes on, running the pickles that follow
+            raise FileTypeError(
+                "not a torch.save file clipcli reads: its first pickle, where a legacy torch.save file holds its "
+                "magic number, is the result of a call"
+            )
         from clipcli.checkpoint.registry import describe  # here: only a file that is no torch.save needs it
 
         what = describe(head)
@@ -325,6 +334,21 @@ def _legacy_pickles(data: bytes, head: bytes, audit: Audit, resolver: Resolver) 
     if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
         raise MalformedError("the legacy file's storage keys are not a list of distinct strings")
     return root, storages, keys, pos
+
+
+def _audit_rest(data: bytes, pos: int, audit: Audit, resolver: Resolver, whole: bool) -> None:
+    """Runs the pickles a legacy file holds after `pos` (protocol, system information, object, storage keys) on
+    the machine for their audit alone, as far as they are pickles (`data` the `whole` file, or its start)."""
+    storages = Storages(legacy=True)
+    for _ in range(4):
+        try:
+            _, pos = unpickle_at(data, pos, resolver, storages.persistent_load, audit, placeholders=True)
+        except PickleTruncatedError:
+            if whole:
+                return
+            raise  # (a larger window, then again)
+        except ClipcliError:
+            return
 
 
 # -- the format -------------------------------------------------------------------------------------

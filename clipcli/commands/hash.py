@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from clipcli.checkpoint import Checkpoint, TensorInfo, c_order_blocks, transposed
+from clipcli.checkpoint import Checkpoint, TensorInfo, byte_layout, c_order_blocks, transposed
 from clipcli.commands import passes
 from clipcli.commands.audit import pickle_audit
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, order, partition, without_values
-from clipcli.core.hashing import TensorHasher, checkpoint_hash
+from clipcli.core.hashing import StoredHasher, TensorHasher, checkpoint_hash
 from clipcli.report.hash import CheckpointHashes, HashRow
 
 
@@ -37,13 +37,13 @@ class HashKernel:
         self._open: dict[str, tuple[TensorHasher, np.ndarray | None, int]] = {}
 
     def chunk(self, t: TensorInfo, offset: int, values: np.ndarray) -> None:
-        hasher, whole, at = self._open.pop(t.name, None) or (TensorHasher(t.array_dtype, t.shape), _whole(t), 0)
+        hasher, whole, at = self._open.pop(t.name, None) or (_hasher(t), _whole(t), 0)
         if whole is None:
             hasher.update(values)
         else:
             whole[at : at + values.size] = values
-        at += values.size
-        if at < t.size:
+        at += values.size  # (values; bytes of a type carried as bytes)
+        if at < (t.size if t.array_dtype is not None else t.nbytes):
             self._open[t.name] = (hasher, whole, at)
         else:
             self.digests[t.name] = _finish(t, hasher, whole)
@@ -53,9 +53,19 @@ class HashKernel:
 
 
 def reason_to_skip(t: TensorInfo, selection: Selection) -> str | None:
-    """Why `hash` leaves a tensor out: not selected, no values (sparse, quantized, meta) or a type carried as
-    bytes (strings and records of an .npz), which has no canonical form of values; None to hash it."""
+    """Why `hash` leaves a tensor out: not selected, or no values (sparse, quantized, meta); None to hash it (a
+    type carried as bytes, which has no canonical form of values, by its bytes as stored)."""
+    if t.array_dtype is None and t.skip is None and t.location is not None and selection.listed(t):
+        return None
     return without_values(t, selection, "content hash")
+
+
+def _hasher(t: TensorInfo) -> TensorHasher | StoredHasher:
+    """A tensor's hasher: over its canonical values, or a type carried as bytes over its bytes as stored."""
+    if t.array_dtype is not None:
+        return TensorHasher(t.array_dtype, t.shape)
+    descr, fortran = byte_layout(t)
+    return StoredHasher(f"{descr or t.dtype} {'F' if fortran else 'C'}", t.shape, t.nbytes)
 
 
 def hash_checkpoint(
@@ -79,7 +89,7 @@ def hash_checkpoint(
         digests.update(part)
     for t in selected:
         if t.name not in digests:  # no chunks: an empty tensor
-            digests[t.name] = TensorHasher(t.array_dtype, t.shape).hexdigest()
+            digests[t.name] = _hasher(t).hexdigest()
     rows = [HashRow(t.name, t.dtype, t.shape, t.nbytes, digests[t.name]) for t in selected]
     return CheckpointHashes(
         path=str(ckpt.path),
@@ -93,11 +103,12 @@ def hash_checkpoint(
 
 
 def _whole(t: TensorInfo) -> np.ndarray | None:
-    """The array a Fortran-order tensor is gathered into (its storage order is not C order), or None."""
-    return np.empty(t.size, t.array_dtype) if transposed(t) else None
+    """The array a Fortran-order tensor is gathered into (its storage order is not C order), or None (a type
+    carried as bytes is hashed as stored)."""
+    return np.empty(t.size, t.array_dtype) if t.array_dtype is not None and transposed(t) else None
 
 
-def _finish(t: TensorInfo, hasher: TensorHasher, whole: np.ndarray | None) -> str:
+def _finish(t: TensorInfo, hasher: TensorHasher | StoredHasher, whole: np.ndarray | None) -> str:
     if whole is not None:
         for block in c_order_blocks(whole, t.shape):
             hasher.update(block)

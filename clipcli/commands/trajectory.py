@@ -84,7 +84,7 @@ def trajectory(
                 against = diff(previous, ckpt, diff_options, progress)
                 to_previous = _compared(against)
                 to_first = to_previous if previous is first else _compared(diff(first, ckpt, diff_options, progress))
-                # the hashes leave out tensors with no content hash (strings, quantized ones): diff compares those
+                # the hashes leave out tensors with no content hash (quantized, sparse): diff tells of those
                 identical = steps[-1].hash == hashes.hash and not against.tensors_differ
             steps.append(_step(path, ckpt, hashes.hash, norms, to_previous, to_first, identical))
             if previous is not None and previous is not first:

@@ -161,7 +161,7 @@ def _problem(f: Finding) -> Problem:
 
 def _compare(ckpt: Checkpoint, manifest: Manifest, options: VerifyOptions, progress: Progress) -> ManifestCheck:
     """The checkpoint's selected tensors hashed (`hash`'s own pass) and compared with the manifest's; those
-    selected that have no content hash (a type carried as bytes, a quantized or sparse tensor) are unverified,
+    selected that have no content hash (a quantized, sparse or meta tensor) are unverified,
     so that a manifest never passes a tensor nothing was compared of."""
     selection = options.selection
     hashed = hash_checkpoint(ckpt, HashOptions(selection, jobs=options.jobs), progress)

@@ -16,6 +16,12 @@ hash the same; NaN payloads and the sign of zero are kept, since they are in the
     header += b"".join(d.to_bytes(8, "little", signed=True) for d in shape)
     hashlib.sha256(header + np.ascontiguousarray(t, t.dtype.newbyteorder("<")).tobytes()).hexdigest()
 
+A type clipcli carries as bytes (strings and records of an `.npy`, `float128`, an object array's pickle,
+safetensors' packed 4- and 6-bit floats) has no canonical values: its hash is of the same three parts with
+the name `stored <type> <layout>` (the type as its file states it, byte order included, and `C` or `F`,
+its element order) and its bytes as stored. Copies that keep those bytes (an `.npy` and the `.npz` that
+holds it) hash the same; a byte-swapped or reordered one does not.
+
 The checkpoint hash is SHA-256 over its tensors sorted by name (the names' UTF-8 bytes, compared as
 bytes), each as `u64` the length of its UTF-8 name, the name, then the tensor hash's 32 raw bytes.
 """
@@ -37,11 +43,48 @@ def canonical_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
     Raises:
         ValueError: for a negative dimension.
     """
+    return _header(np.dtype(dtype).name, shape)
+
+
+def _header(name: str, shape: tuple[int, ...]) -> bytes:
     if any(d < 0 for d in shape):
         raise ValueError(f"a shape has no negative dimensions, got {tuple(shape)}")
-    name = np.dtype(dtype).name.encode()
+    text = name.encode()
     dims = b"".join(int(d).to_bytes(8, "little", signed=True) for d in shape)
-    return _u64(len(name)) + name + _u64(len(shape)) + dims
+    return _u64(len(text)) + text + _u64(len(shape)) + dims
+
+
+class StoredHasher:
+    """Streams the bytes of a type carried as bytes, as stored, into its hash (see the module's docstring):
+    `layout` is the type as its file states it and its element order, `nbytes` how many bytes it holds."""
+
+    __slots__ = ("_fed", "_sha", "nbytes")
+
+    def __init__(self, layout: str, shape: tuple[int, ...], nbytes: int) -> None:
+        self._sha = hashlib.sha256(_header(f"stored {layout}", tuple(shape)))
+        self.nbytes, self._fed = nbytes, 0
+
+    def update(self, raw: Any) -> None:
+        """Adds the next bytes (a uint8 array or a bytes-like object).
+
+        Raises:
+            ValueError: when they run past the tensor's bytes.
+        """
+        view = memoryview(raw).cast("B")
+        if self._fed + view.nbytes > self.nbytes:
+            raise ValueError(f"more bytes than the tensor's {self.nbytes}")
+        self._fed += view.nbytes
+        self._sha.update(view)
+
+    def hexdigest(self) -> str:
+        """The hash as 64 lowercase hexadecimal digits.
+
+        Raises:
+            ValueError: when fewer bytes than the tensor's were added.
+        """
+        if self._fed != self.nbytes:
+            raise ValueError(f"{self._fed} of the tensor's {self.nbytes} bytes were added")
+        return self._sha.hexdigest()
 
 
 class TensorHasher:

@@ -13,7 +13,7 @@ import pytest
 
 import clipcli
 from clipcli.checkpoint import engine as _engine
-from tests.helpers import SAMPLES, WRITTEN_BY_TORCH, js, ok, run, write_st
+from tests.helpers import DATA, SAMPLES, WRITTEN_BY_TORCH, js, ok, run, write_st
 
 
 def ref_hash(a: np.ndarray) -> str:
@@ -84,13 +84,16 @@ def test_table_and_csv(ckpt):
     assert rows[-1] == [str(path), "", "", "", whole, "checkpoint"]
 
 
-def test_skipped_types_are_listed_with_the_reason(tmp_path):
+def test_text_is_hashed_as_stored_and_tensors_without_values_are_skipped_with_the_reason(tmp_path):
     path = tmp_path / "mixed.npz"
     np.savez(path, text=np.array(["ab", "c"]), x=np.arange(3.0))
     c = js("hash", path)["checkpoints"][0]
-    assert [t["name"] for t in c["tensors"]] == ["x"]
-    assert [(s["name"], "carried as bytes" in s["reason"]) for s in c["skipped"]] == [("text", True)]
-    assert "skipped text" in ok("hash", path).stdout
+    assert [(t["name"], t["dtype"]) for t in c["tensors"]] == [("text", "U2"), ("x", "float64")]
+    assert c["skipped"] == []
+    special = js("hash", DATA / "torch" / "special.pt")["checkpoints"][0]
+    reasons = {s["name"]: s["reason"] for s in special["skipped"]}
+    assert reasons["quantized"] == "quantized tensor (torch.per_tensor_affine)" and "meta" in reasons
+    assert "skipped quantized (qint8): quantized tensor" in ok("hash", DATA / "torch" / "special.pt").stdout
 
 
 def test_bad_input_exits_3_with_one_line(tmp_path):

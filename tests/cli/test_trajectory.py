@@ -12,7 +12,7 @@ import pytest
 
 import clipcli
 from clipcli.commands.trajectory import natural_key, step_of
-from tests.helpers import js, run, write_st
+from tests.helpers import DATA, js, run, write_st
 
 F32 = np.float32
 
@@ -91,14 +91,20 @@ def test_a_copy_under_another_format_is_identical_too(steps, tmp_path):
     assert report["checkpoints"][1]["delta"] == 0.0
 
 
-def test_tensors_without_a_content_hash_that_differ_are_never_identical(tmp_path):
-    # found by a red team: byte strings (no content hash) that differ were flagged identical
+def test_byte_strings_that_differ_are_never_identical_nor_tensors_that_cannot_be_compared(tmp_path):
+    # found by a red team: byte strings (then without a content hash) that differ were flagged identical, and
+    # files of quantized tensors alone (no values compared) identical by a checkpoint hash of nothing
     a, b, c = (tmp_path / f"step-{i}.npz" for i in (1, 2, 3))
     np.savez(a, f=np.ones(3, F32), x=np.array([b"abc"]))
     np.savez(b, f=np.ones(3, F32), x=np.array([b"abd"]))
     np.savez(c, f=np.ones(3, F32), x=np.array([b"abd"]))
     report = js("trajectory", a, b, c)
     assert [r["identical_to_previous"] for r in report["checkpoints"]] == [False, False, True]
+    (tmp_path / "q").mkdir()
+    for i in (1, 2):
+        shutil.copy(DATA / "torch" / "special.pt", tmp_path / "q" / f"step-{i}.pt")
+    steps = js("trajectory", tmp_path / "q" / "step-1.pt", tmp_path / "q" / "step-2.pt")["checkpoints"]
+    assert steps[1]["identical_to_previous"] is False  # its quantized tensors were not compared
 
 
 def test_keep_order_and_steps_from_names(steps):

@@ -202,21 +202,33 @@ def test_every_file_torch_wrote_verifies_clean(path: Path) -> None:
 # -- manifests ---------------------------------------------------------------------------------------------
 
 
-def test_tensors_without_a_content_hash_are_unverified_never_passed(tmp_path: Path) -> None:
-    # found by a red team: a manifest passed a changed byte-string member (hash skips it), exit 0, "verified"
-    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
-    np.savez(a, f=np.ones(3, np.float32), x=np.array([b"abc"]))
-    np.savez(b, f=np.ones(3, np.float32), x=np.array([b"abd"]))
+def test_types_carried_as_bytes_are_hashed_as_stored_and_tensors_without_values_unverified(tmp_path: Path) -> None:
+    # found by a red team: a manifest passed a changed byte-string member (hash skipped it), exit 0, "verified"
+    a, b, copy = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "copy.npz"
+    records = np.zeros(2, dtype=[("i", "<i4"), ("x", ">f8")])
+    np.savez(a, f=np.ones(3, np.float32), x=np.array([b"abc"]), u=np.array(["h\u00e9", "x"]), r=records)
+    np.savez(b, f=np.ones(3, np.float32), x=np.array([b"abd"]), u=np.array(["h\u00e9", "x"]), r=records)
     manifest = tmp_path / "m.json"
     manifest.write_text(clipcli.hash_of(a).to_json())
-    for path in (a, b):
-        result = run("verify", path, "--manifest", manifest, "--format", "json")
-        assert result.exit_code == 1, result.output
-        report = json.loads(result.stdout)
-        assert report["manifest"]["unverified"] == [{"name": "x", "reason": "no content hash of S3 (carried as bytes)"}]
-        assert [(f["tensor"], f["kind"]) for f in report["findings"]] == [("x", "unverified")]
-    excluded = run("verify", b, "--manifest", manifest, "--exclude", "x")
-    assert excluded.exit_code == 0, excluded.output
+    assert [t["name"] for t in json.loads(manifest.read_text())["checkpoints"][0]["tensors"]] == ["f", "x", "u", "r"]
+    changed = json.loads(run("verify", b, "--manifest", manifest, "--format", "json").stdout)
+    assert [(f["tensor"], f["kind"]) for f in changed["findings"]] == [("x", "changed"), (None, "checkpoint-hash")]
+    run("convert", a, "-o", copy)  # the same bytes, another file: the same hashes
+    for same in (a, copy):
+        assert run("verify", same, "--manifest", manifest).exit_code == 0
+    x = tmp_path / "x.npy"  # an .npy and the .npz member it came from: one hash
+    np.save(x, np.array([b"abc"]))
+    assert clipcli.hash_of(x).checkpoints[0].tensors[0].sha256 == clipcli.hash_of(a).checkpoints[0].tensors[1].sha256
+    # tensors with no values to hash (quantized, meta, nested, ...) are unverified: never passed
+    special = DATA / "torch" / "special.pt"
+    manifest.write_text(clipcli.hash_of(special).to_json())
+    result = run("verify", special, "--manifest", manifest, "--format", "json")
+    report = json.loads(result.stdout)
+    unverified = {u["name"] for u in report["manifest"]["unverified"]}
+    assert result.exit_code == 1 and {"quantized", "meta", "nested"} <= unverified
+    assert {f["tensor"] for f in report["findings"] if f["kind"] == "unverified"} == unverified
+    left_out = [arg for name in sorted(unverified) for arg in ("--exclude", name)]
+    assert run("verify", special, "--manifest", manifest, *left_out).exit_code == 0
 
 
 def test_unreadable_manifests_are_unreadable_input_and_several_checkpoints_a_usage_error(tmp_path: Path) -> None:

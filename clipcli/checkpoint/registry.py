@@ -117,15 +117,19 @@ def describe(head: bytes) -> str:
 
 
 def _json_start(head: bytes) -> bool:
-    """Whether the first bytes of a file (all of it, or its start) are JSON, or JSON cut short: not a TOML or INI
-    file's `[section]`."""
+    """Whether the first bytes of a file (all of it, or its first HEAD_BYTES) are JSON, or JSON cut short: not a
+    TOML or INI file's `[section]`."""
     import json  # (an error's message alone needs it)
 
-    text = head.decode("utf-8", "ignore")
+    text = head.decode("utf-8", "ignore").rstrip()
     try:
         json.loads(text)
-    except json.JSONDecodeError as e:  # cut short: the error at the end, or in a string the cut left open
-        return e.pos >= len(text.rstrip()) or e.msg.startswith(("Unterminated string", "Extra data"))
+    except json.JSONDecodeError as e:
+        if e.msg.startswith("Extra data"):  # JSON, then more (JSON lines)
+            return True
+        # cut short: in a string the cut left open, or in the last value (`tru`, `-`, `1.`)
+        cut = len(head) >= HEAD_BYTES and (e.pos >= len(text) - 6 or e.msg.startswith("Unterminated string"))
+        return cut
     except RecursionError:
         return True
     return True

@@ -11,6 +11,7 @@ import numpy as np
 
 from clipcli.checkpoint import Checkpoint, TensorInfo, run
 from clipcli.core.blocks import BLOCK
+from clipcli.errors import MalformedError
 
 
 class Progress:
@@ -33,6 +34,41 @@ def workers(jobs: int | None = None) -> int:
     return min(jobs, cores) if jobs else cores
 
 
+# A pass may read at most this many bytes of values beyond EXPANSION times its files' bytes: views that repeat
+# values (an expand, overlapping strides) or many names on one storage show more values than a file holds, and
+# every value shown is streamed (a 1.5 KB .pt expanded to 10**10 values took minutes). Compressed members are
+# bounded by their own ratio (npz).
+EXPANSION, EXPANSION_SLACK = 8, 1 << 31
+
+
+def _sides(source: Checkpoint | tuple[Checkpoint, Checkpoint], items: Sequence[Any]) -> tuple[tuple, tuple]:
+    if isinstance(source, tuple):
+        return source, tuple(zip(*items, strict=True)) if items else ((), ())
+    return (source,), (items,)
+
+
+def _affordable(ckpt: Checkpoint, tensors: Sequence[TensorInfo]) -> None:
+    """Refuses a pass whose tensors show far more bytes of values than the checkpoint's files hold.
+
+    Raises:
+        MalformedError: naming the largest such tensor.
+    """
+    shown = [t for t in tensors if t.location is not None and not t.compression]
+    total = sum(t.nbytes for t in shown)
+    if total <= EXPANSION_SLACK:
+        return
+    stored = sum(ckpt.store.size(f) for f in ckpt.files)
+    if total > EXPANSION * stored + EXPANSION_SLACK:
+        largest = max(shown, key=operator.attrgetter("nbytes"))
+        raise MalformedError(
+            f"its tensors show {total:,} bytes of values from {stored:,} bytes of files, more than {EXPANSION} times "
+            f"as many and 2 GiB (views that repeat values, or many names on one storage; the largest: "
+            f"{largest.name}, {largest.nbytes:,} bytes): a file may not cost more than its bytes justify; "
+            "--exclude such tensors to read the others",
+            ckpt.path,
+        )
+
+
 def run_pass(
     source: Checkpoint | tuple[Checkpoint, Checkpoint],
     items: Sequence[Any],
@@ -50,6 +86,8 @@ def run_pass(
     each tensor's chunks in order in one worker, tensors in parallel (a hash), says `whole = True`. Pairs are read in
     blocks of `BLOCK` values, so that a pair's blocks are summed as the array's are.
     """
+    for ckpt, tensors in zip(*_sides(source, items), strict=True):
+        _affordable(ckpt, tensors)
     if isinstance(source, tuple):
         from clipcli.checkpoint.pairs import run_pairs
 

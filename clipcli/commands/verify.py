@@ -67,8 +67,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if not isinstance(doc, dict) or doc.get("command") != "hash" or doc.get("schema") != 1:
         raise bad('no "schema": 1 and "command": "hash"')
     checkpoints = doc.get("checkpoints")
-    if not isinstance(checkpoints, list) or len(checkpoints) != 1:
-        n = len(checkpoints) if isinstance(checkpoints, list) else 0
+    if not isinstance(checkpoints, list) or not checkpoints:
+        raise bad('no "checkpoints" hashed')
+    if len(checkpoints) != 1:
+        n = len(checkpoints)
         raise UsageError(
             f"a manifest of {n} checkpoints' hashes, where verify takes one's (hash each checkpoint on its own)",
             path,
@@ -183,7 +185,7 @@ def _compare(ckpt: Checkpoint, manifest: Manifest, options: VerifyOptions, progr
         hash=hashed.hash,
         manifest_hash=manifest_hash,
         compared=len(expected.keys() & got.keys()),
-        missing=tuple(sorted(expected.keys() - got.keys())),
+        missing=tuple(sorted(expected.keys() - got.keys() - {name for name, _ in unverified})),
         extra=tuple(sorted(got.keys() - expected.keys())),
         changed=tuple(sorted(changed, key=lambda c: c.name)),
         unverified=unverified,

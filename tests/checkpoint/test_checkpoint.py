@@ -857,6 +857,9 @@ def test_a_text_file_named_safetensors_is_called_text(tmp_path):
         ('{"weight_map": {"a": "' + "x" * 600 + '"}}', "a JSON file"),  # cut short in a string at 512 bytes
         ('{"a": [' + "1, " * 300 + "1]}", "a JSON file"),  # cut short between values
         ('{"a": 1}\n{"a": 2}\n', "a JSON file"),  # JSON lines
+        ('{"a": [' + "true, " * 90 + "1]}", "a JSON file"),  # cut in a `true` at 512 bytes (found by a review)
+        ('{"a": [' + "1, " * 168 + "-1, " + "1, " * 10 + "1]}", "a JSON file"),  # cut after a minus sign
+        ("[a]\n", "a text file"),
     ],
 )
 def test_json_and_text_files_are_told_apart(tmp_path, text, what):

@@ -104,16 +104,17 @@ def test_index_shard_paths_that_leave_the_directory_are_refused(tmp_path: Path, 
     refused(run_bounded("inspect", index, seconds=30), "leaves the checkpoint's directory")
 
 
-def test_an_index_shard_path_ending_in_a_slash_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shard", ["s1.safetensors/", "s1.safetensors/.", "./s1.safetensors/"])
+def test_an_index_shard_path_naming_a_directory_is_refused(tmp_path: Path, shard: str) -> None:
     # found by a red team: "s1.safetensors/" was read as s1.safetensors by inspect and the clips (their
     # rewritten index dropped the slash), and called a stray shard by verify; a loader opening it finds no file
     (tmp_path / "s1.safetensors").write_bytes(st_bytes({"a": np.ones(2, np.float32)}))
     (tmp_path / "s2.safetensors").write_bytes(st_bytes({"b": np.ones(2, np.float32)}))
     index = tmp_path / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors/", "b": "s2.safetensors"}}))
+    index.write_text(json.dumps({"weight_map": {"a": shard, "b": "./s2.safetensors"}}))  # ./ reads as it is
     refused(run_bounded("inspect", index, seconds=30), "names a directory, not a shard file")
     found = run_bounded("verify", index, seconds=30)  # a defect found: verify's finding, exit 1
-    assert found.returncode == 1 and "index: shard path 's1.safetensors/' names a directory" in found.stderr, found
+    assert found.returncode == 1 and f"index: shard path {shard!r} names a directory" in found.stderr, found
 
 
 # -- bzip2 and LZMA bombs, Fortran order ----------------------------------------------------------------

@@ -18,7 +18,15 @@ from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from clipcli.checkpoint.tensor import Piece, Pieces
 from clipcli.cli import app
 from clipcli.errors import UnsupportedError
-from tests.helpers import dcp_checkpoint, dcp_two_regions, run_bounded, torch_view, torch_zip
+from tests.helpers import (
+    PickleCall,
+    PickleGlobal,
+    dcp_checkpoint,
+    dcp_two_regions,
+    run_bounded,
+    torch_view,
+    torch_zip,
+)
 
 
 def cli(*args: object) -> tuple[int, str, str]:
@@ -56,24 +64,47 @@ def test_an_expanded_scalar_is_normed_in_bounded_memory(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "views",
+    ("views", "storage"),
     [
-        [((100_000, 100_000), (0, 0))],  # found by a red team: torch.ones(1).expand(10**5, 10**5), 12.6 s
-        [((500,) * 4, (1,) * 4)],  # as_strided over 2,000 floats: 6.25 * 10**10 values, never finished
-        [((2**31 - 1, 2**31 - 1), (0, 0))],  # 4.6 * 10**18 values
-        [((2**28 + 1,), (0,)), ((2**28 + 1,), (0,))],  # each within the limit, not both
+        ([((100_000, 100_000), (0, 0))], 1),  # found by a red team: torch.ones(1).expand(10**5, 10**5), 12.6 s
+        ([((500,) * 4, (1,) * 4)], 2000),  # as_strided over 2,000 floats: 6.25 * 10**10 values, never finished
+        ([((2**31 - 1, 2**31 - 1), (0, 0))], 1),  # 4.6 * 10**18 values
+        ([((2**29,), (0,))] * 2, 1),  # each within the slack (2 GiB), not both
+        ([((1 << 18,), (1,))] * 3000, 1 << 18),  # 3,000 names on one 1 MiB storage: 3 GiB (found by a review)
     ],
 )
-def test_views_repeating_more_values_than_a_file_justifies_are_refused_at_once(tmp_path, views):
+def test_passes_over_far_more_values_than_the_files_hold_are_refused_at_once(tmp_path, views, storage):
     # a file may not cost more time than its bytes justify: every command streams each value a view shows
-    obj = {f"v{i}": torch_view("float32", 2000, shape, strides) for i, (shape, strides) in enumerate(views)}
+    obj = {f"v{i}": torch_view("float32", storage, shape, strides) for i, (shape, strides) in enumerate(views)}
+    obj["w"] = torch_view("float32", storage, (1,), (1,))
     path = tmp_path / "repeat.pt"
-    path.write_bytes(torch_zip(obj, {"0": bytes(8000)}))
-    assert path.stat().st_size < 10_000
-    for command in ("inspect", "global-norm", "hash"):
+    path.write_bytes(torch_zip(obj, {"0": bytes(4 * storage)}))
+    assert run_bounded("inspect", path, seconds=20).returncode == 0  # listed (with its pickle's audit)
+    for command in ("global-norm", "hash", "stats"):
         r = run_bounded(command, path, seconds=20, memory_mb=500)
         assert r.returncode == 3 and r.seconds < 5, r
-        assert r.stderr.count("\n") == 1 and "would repeat more than 2**29 values in all" in r.stderr, r
+        assert r.stderr.count("\n") == 1 and "a file may not cost more than its bytes justify" in r.stderr, r
+    r = run_bounded("global-norm", path, "--exclude", "v*", seconds=20)
+    assert r.returncode == 0, r  # the others read
+
+
+def test_a_distributed_checkpoint_of_a_stride_0_chunk_is_refused_at_once(tmp_path):
+    # found by a review: a 12 KB DCP whose one chunk is a stride-0 view of 10**10 values took 11.9 s, exit 0
+    n = 10**10
+    dcp_checkpoint(tmp_path / "big", {"e": ((n,), [((0,), np.ones(1, np.float32), ((n,), (0,)))])})
+    r = run_bounded("global-norm", tmp_path / "big", seconds=20)
+    assert r.returncode == 3 and r.seconds < 5 and "a file may not cost more than its bytes justify" in r.stderr, r
+
+
+def test_a_view_past_the_limit_never_hides_the_pickles_calls(tmp_path):
+    # found by a review: a file refused at open for its view showed no audit, so os.system went unnamed
+    obj = {"e": torch_view("float32", 1, (1 << 30,), (0,)), "x": PickleCall(PickleGlobal("os", "system"), ("true",))}
+    path = tmp_path / "evil.pt"
+    path.write_bytes(torch_zip(obj, {"0": bytes(4)}))
+    r = run_bounded("inspect", path, "--fail-unsafe-pickle", seconds=20)
+    assert r.returncode == 1 and "torch.load would call os.system" in r.stderr, r
+    r = run_bounded("global-norm", path, seconds=20)
+    assert r.returncode == 3 and "torch.load would call os.system" in r.stderr, r
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 import clipcli
 from clipcli.checkpoint import engine as _engine
 from clipcli.commands.verify import read_manifest
+from clipcli.core.hashing import checkpoint_hash
 from clipcli.errors import MalformedError, MissingFileError, UsageError
 from tests.helpers import DATA, WRITTEN_BY_TORCH, dcp_checkpoint, run, write_st
 
@@ -229,6 +230,14 @@ def test_types_carried_as_bytes_are_hashed_as_stored_and_tensors_without_values_
     assert {f["tensor"] for f in report["findings"] if f["kind"] == "unverified"} == unverified
     left_out = [arg for name in sorted(unverified) for arg in ("--exclude", name)]
     assert run("verify", special, "--manifest", manifest, *left_out).exit_code == 0
+    # a manifest that hashed "quantized" (dense there): unverified here, not also missing (found by a review)
+    doc = json.loads(manifest.read_text())
+    doc["checkpoints"][0]["tensors"].append({"name": "quantized", "dtype": "float32", "shape": [3], "sha256": "0" * 64})
+    rows = doc["checkpoints"][0]["tensors"]
+    doc["checkpoints"][0]["hash"] = checkpoint_hash((t["name"], t["sha256"]) for t in rows)
+    manifest.write_text(json.dumps(doc))
+    report = json.loads(run("verify", special, "--manifest", manifest, "--format", "json").stdout)
+    assert [f["kind"] for f in report["findings"] if f["tensor"] == "quantized"] == ["unverified"]
 
 
 def test_unreadable_manifests_are_unreadable_input_and_several_checkpoints_a_usage_error(tmp_path: Path) -> None:
@@ -240,6 +249,8 @@ def test_unreadable_manifests_are_unreadable_input_and_several_checkpoints_a_usa
         read_manifest(tmp_path / "two.json")
     assert info.value.param == "--manifest"
     cases = {
+        "none.json": ('{"schema": 1, "command": "hash"}', 'no "checkpoints" hashed'),  # (found by a review: 2)
+        "empty.json": ('{"schema": 1, "command": "hash", "checkpoints": []}', 'no "checkpoints" hashed'),
         "top.json": (clipcli.hash_of(a, top=1).to_json(), "--top"),
         "text.json": ("{", "not JSON"),
         "norms.json": (clipcli.global_norm_of(a).to_json(), '"command": "hash"'),

@@ -88,7 +88,7 @@ def _read_index(path: Path, store: Store) -> tuple[dict[str, Any], dict[str, lis
             raise MalformedError("the index maps a tensor to an empty shard name", path)
         if os.path.isabs(shard) or ".." in Path(shard).parts:
             raise MalformedError(f"shard path {shard!r} leaves the checkpoint's directory", path)
-        if shard.endswith(("/", os.sep)):  # (Path would drop the slash; a loader opening it finds a directory)
+        if Path(shard).name != shard.rsplit("/", 1)[-1]:  # "x/", "x/.": Path drops them, a loader would not
             raise MalformedError(f"shard path {shard!r} names a directory, not a shard file", path)
     return index, names
 

@@ -77,9 +77,6 @@ __all__ = [
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy torch.save file
 PROTOCOL_VERSION = 1001  # its second
 _FIRST_WINDOW = 1 << 20  # bytes of a legacy file read first to find its pickles (grown 8-fold as needed)
-# The values views may show beyond their storages' bytes (an expand, overlapping strides), in one file: every
-# command streams each value a view shows, and a 1.5 KB file expanded to 10**10 values would take minutes.
-REPEATED_LIMIT = 1 << 29
 
 
 # -- the file --------------------------------------------------------------------------------------
@@ -122,7 +119,6 @@ def _open(
     # a storage is known by its file and key: shards of one checkpoint each have their own keys
     shared = {name: f"{path}:{key}" for key, names in shared_storages(tensors).items() for name in names}
     out = []
-    repeated = 0  # the values of views that show some of their storage's more than once
     for t in tensors:
         dtype = t.dtype if t.skip_reason is None else None
         location: Any = None
@@ -131,16 +127,6 @@ def _open(
         elif dtype is not None:
             start_byte, end_byte = view_byte_range(t)
             location = Span(start_byte) if is_contiguous(t) else _strided(t, str(path), start_byte, end_byte)
-            if t.numel * dtype.itemsize > end_byte - start_byte:  # more values than its bytes: some repeated
-                repeated += t.numel
-                if repeated > REPEATED_LIMIT:
-                    raise MalformedError(
-                        f"a view of {t.numel:,} values over {(end_byte - start_byte) // dtype.itemsize:,} stored "
-                        f"(a stride of 0 or overlapping strides): the file's views would repeat more than "
-                        f"2**29 values in all, far more than its bytes hold",
-                        path,
-                        t.name,
-                    )
         stored = dtype.newbyteorder(">") if dtype is not None and t.big_endian and dtype.itemsize > 1 else None
         out.append(
             TensorInfo(
@@ -309,12 +295,8 @@ def _legacy_pickles(
     except MalformedError:
         magic, pos = None, 0
     if type(magic) is not int or magic != MAGIC_NUMBER:
-        if isinstance(magic, Placeholder):  # a call's result, maybe the magic number (eval('0x1950...')): then
-            _audit_rest(data, pos, audit, resolver, whole)  # torch.load goes on, running the pickles that follow
-            raise FileTypeError(
-                "not a torch.save file clipcli reads: its first pickle, where a legacy torch.save file holds its "
-                "magic number, is the result of a call"
-            )
+        if isinstance(magic, Placeholder) and magic.args is not None:  # a call's result, maybe the magic number
+            _audit_rest(data, pos, audit, resolver, whole)  # (eval('0x1950...')): torch.load would go on
         from clipcli.checkpoint.registry import describe  # here: only a file that is no torch.save needs it
 
         what = describe(head)
@@ -323,7 +305,7 @@ def _legacy_pickles(
         raise FileTypeError(f"not a PyTorch file: {what}")
     version, pos = unpickle_at(data, pos, resolve_nothing, audit=audit, placeholders=True)
     if version != PROTOCOL_VERSION:
-        shown = repr(version) if type(version) in (int, str, float) else f"of a {type(version).__name__}"
+        shown = repr(version) if type(version) in (int, str, float) else "that is not a number"
         raise UnsupportedError(f"legacy torch.save protocol version {shown} (clipcli reads {PROTOCOL_VERSION})")
     sys_info, pos = unpickle_at(data, pos, resolve_nothing, audit=audit, placeholders=True)
     if not isinstance(sys_info, dict):

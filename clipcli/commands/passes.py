@@ -39,6 +39,7 @@ def workers(jobs: int | None = None) -> int:
 # every value shown is streamed (a 1.5 KB .pt expanded to 10**10 values took minutes). Compressed members are
 # bounded by their own ratio (npz).
 EXPANSION, EXPANSION_SLACK = 8, 1 << 31
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _sides(source: Checkpoint | tuple[Checkpoint, Checkpoint], items: Sequence[Any]) -> tuple[tuple, tuple]:
@@ -53,13 +54,13 @@ def _affordable(ckpt: Checkpoint, tensors: Sequence[TensorInfo]) -> None:
     Raises:
         MalformedError: naming the largest such tensor.
     """
-    shown = [t for t in tensors if t.location is not None and not t.compression]
-    total = sum(t.nbytes for t in shown)
-    if total <= EXPANSION_SLACK:
+    if sum(map(_NBYTES, tensors)) <= EXPANSION_SLACK:  # (most passes: one sum, no filter)
         return
+    shown = [t for t in tensors if t.location is not None and not t.compression]
+    total = sum(map(_NBYTES, shown))
     stored = sum(ckpt.store.size(f) for f in ckpt.files)
     if total > EXPANSION * stored + EXPANSION_SLACK:
-        largest = max(shown, key=operator.attrgetter("nbytes"))
+        largest = max(shown, key=_NBYTES)
         raise MalformedError(
             f"its tensors show {total:,} bytes of values from {stored:,} bytes of files, more than {EXPANSION} times "
             f"as many and 2 GiB (views that repeat values, or many names on one storage; the largest: "

@@ -32,6 +32,7 @@ class Manifest:
     path: str
     hash: str
     tensors: tuple[tuple[str, str, tuple[int, ...], str], ...]
+    skipped: tuple[str, ...] = ()  # the tensors it lists without a hash (no values), not those left unselected
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,18 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         ):
             raise bad('a tensor without "name", "dtype", "shape" and "sha256"')
         tensors.append((t["name"], t["dtype"], tuple(t["shape"]), t["sha256"]))
-    if len({t[0] for t in tensors}) < len(tensors):
+    skipped = c.get("skipped", [])
+    if not isinstance(skipped, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("reason"), str) for t in skipped
+    ):
+        raise bad('"skipped" is not a list of tensors with "name" and "reason"')
+    unselected = ("not selected by --include", "excluded by --exclude")
+    without = tuple(t["name"] for t in skipped if t["reason"] not in unselected)
+    if len({t[0] for t in tensors} | set(without)) < len(tensors) + len(without):
         raise bad("a tensor listed twice")
     if checkpoint_hash((name, sha) for name, _, _, sha in tensors) != c["hash"]:
         raise bad("its tensors do not give its checkpoint hash (written with --top, or edited)")
-    return Manifest(str(path), c["hash"], tuple(tensors))
+    return Manifest(str(path), c["hash"], tuple(tensors), without)
 
 
 def verify(
@@ -172,6 +180,13 @@ def _compare(ckpt: Checkpoint, manifest: Manifest, options: VerifyOptions, progr
     )
     expected = {name: (dtype, shape, sha) for name, dtype, shape, sha in manifest.tensors if selection.selects(name)}
     got = {t.name: t for t in hashed.tensors}
+    # what the manifest lists without a hash: missing if gone, unverified if hashed here (nothing to compare)
+    without = {name for name in manifest.skipped if selection.selects(name)}
+    listed = expected.keys() | without
+    unverified += tuple((name, "the manifest lists it without a content hash") for name in sorted(got.keys() & without))
+    ours = hashed.hash
+    if got.keys() & without:  # the checkpoint hash over the tensors the manifest hashed too
+        ours = checkpoint_hash((t.name, t.sha256) for t in hashed.tensors if t.name not in without)
     changed = [
         Changed(t.name, t.dtype, t.shape, expected[t.name][0], expected[t.name][1])
         for t in hashed.tensors
@@ -182,11 +197,11 @@ def _compare(ckpt: Checkpoint, manifest: Manifest, options: VerifyOptions, progr
     )
     return ManifestCheck(
         path=manifest.path,
-        hash=hashed.hash,
+        hash=ours,
         manifest_hash=manifest_hash,
         compared=len(expected.keys() & got.keys()),
-        missing=tuple(sorted(expected.keys() - got.keys() - {name for name, _ in unverified})),
-        extra=tuple(sorted(got.keys() - expected.keys())),
+        missing=tuple(sorted(listed - got.keys() - {name for name, _ in unverified})),
+        extra=tuple(sorted(got.keys() - listed)),
         changed=tuple(sorted(changed, key=lambda c: c.name)),
         unverified=unverified,
     )

@@ -124,6 +124,8 @@ def write(
     align = {n: op.align for n, op in ops.items()}
     opped = [t for t in ckpt.tensors if t.name in ops]
     written = ckpt.tensors if tensors is None else tensors
+    if output is not None:  # (every tensor written costs its bytes, those copied as they are too)
+        passes.check_cost(ckpt, written)
     if output is None:
         progress.phase("clipping", sum(t.nbytes for t in opped))
         results = passes.run_pass(

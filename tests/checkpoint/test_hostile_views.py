@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from clipcli.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from clipcli.checkpoint.tensor import Piece, Pieces
 from clipcli.cli import app
-from clipcli.errors import UnsupportedError
+from clipcli.errors import MalformedError, UnsupportedError
 from tests.helpers import (
     PickleCall,
     PickleGlobal,
@@ -86,6 +86,27 @@ def test_passes_over_far_more_values_than_the_files_hold_are_refused_at_once(tmp
         assert r.stderr.count("\n") == 1 and "a file may not cost more than its bytes justify" in r.stderr, r
     r = run_bounded("global-norm", path, "--exclude", "v*", seconds=20)
     assert r.returncode == 0, r  # the others read
+    for out in ("out.npz", "out.safetensors"):  # a write too, copies included (found by a review: .npz, 21 GB)
+        r = run_bounded("convert", path, "-o", tmp_path / out, seconds=20)
+        assert r.returncode == 3 and "a file may not cost more than its bytes justify" in r.stderr, r
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repeat.pt"]
+
+
+@pytest.mark.parametrize(("names", "refused"), [(12, False), (64, False), (65, True)])
+def test_the_bound_is_64_times_the_files_bytes(tmp_path, monkeypatch, names, refused):
+    # found by a review: nn.Sequential(*[lin] * 12) (12 names on one 676 MB storage) was refused at 8x the file
+    from clipcli.commands import passes
+
+    monkeypatch.setattr(passes, "EXPANSION_SLACK", 0)  # (the 2 GiB of slack would need a file of 200 MB)
+    obj = {f"{i}.weight": torch_view("float32", 1 << 18, (512, 512), (512, 1)) for i in range(names)}
+    path = tmp_path / "shared.pt"
+    path.write_bytes(torch_zip(obj, {"0": bytes(1 << 20)}))  # ~1 MiB, the pickle's bytes besides
+    with open_checkpoint(path) as ckpt:
+        if refused:
+            with pytest.raises(MalformedError, match="more than 64 times as many"):
+                passes.check_cost(ckpt, ckpt.tensors)
+        else:
+            passes.check_cost(ckpt, ckpt.tensors)
 
 
 def test_a_distributed_checkpoint_of_a_stride_0_chunk_is_refused_at_once(tmp_path):

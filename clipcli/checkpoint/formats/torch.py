@@ -295,13 +295,18 @@ def _legacy_pickles(
     except MalformedError:
         magic, pos = None, 0
     if type(magic) is not int or magic != MAGIC_NUMBER:
-        if isinstance(magic, Placeholder) and magic.args is not None:  # a call's result, maybe the magic number
-            _audit_rest(data, pos, audit, resolver, whole)  # (eval('0x1950...')): torch.load would go on
         from clipcli.checkpoint.registry import describe  # here: only a file that is no torch.save needs it
 
         what = describe(head)
         if what.startswith("a Python pickle"):
             what = "a Python pickle, not a torch.save file"
+        if isinstance(magic, Placeholder) and magic.args is not None:  # a call's result, maybe the magic number
+            rest = Audit()  # (eval('0x1950...')): then torch.load goes on to the pickles that follow
+            _audit_rest(data, pos, rest, resolver, whole)
+            first, then = audit.result("").unsafe_calls, rest.result("").unsafe_calls
+            if first:
+                more = f", and then, if that gives its magic number, {', '.join(then)}" if then else ""
+                what += f"; torch.load would call {', '.join(first)}{more} (never called here)"
         raise FileTypeError(f"not a PyTorch file: {what}")
     version, pos = unpickle_at(data, pos, resolve_nothing, audit=audit, placeholders=True)
     if version != PROTOCOL_VERSION:

@@ -34,8 +34,9 @@ def hash_(
     """Content hashes: SHA-256 of each tensor's dtype name, shape and values (little-endian, C order), and one
     checkpoint hash over the sorted (name, hash) pairs; the same in every format and layout clipcli reads.
 
-    Types carried as bytes (strings, records) and tensors without values (sparse, quantized, meta) are skipped
-    with the reason; --include/--exclude choose the tensors the checkpoint hash covers.
+    Types carried as bytes (strings, records) are hashed over their bytes as stored; tensors without values
+    (sparse, quantized, meta) are skipped with the reason; --include/--exclude choose the tensors the checkpoint
+    hash covers.
     """
     with handled_errors(debug, "hash"):
         from clipcli.checkpoint import open_checkpoint

@@ -16,7 +16,7 @@ from clipcli.commands.audit import pickle_audit
 from clipcli.commands.measure import Measured, check_nonfinite, measure, measured, shared_once
 from clipcli.commands.passes import NO_PROGRESS, Progress
 from clipcli.commands.select import EVERY, Selection, order, select_to_clip, shared_storages
-from clipcli.commands.write import Op, write
+from clipcli.commands.write import Op, check_write_cost, write
 from clipcli.core import clip_by_norm, clip_by_value
 from clipcli.core.axes import axis_power_sums, normalize_axes, row_group
 from clipcli.core.blocks import add_power_sums
@@ -167,6 +167,8 @@ def clip_global_norms(
         # as the library's clip_by_global_norm takes it: a tiny scale keeps its bits
         scale = stats_clip_scale(given_norm_stats(o.use_norm), o.clip_norm)
     _refuse_nan_scale(str(ckpts[0].path), scale, o)
+    for ckpt, oc in zip(ckpts, options, strict=True):  # every write's cost before any is written
+        check_write_cost(ckpt, oc.output if not oc.in_place else ckpt.path)
     total_after = NormAccumulator(2)
     reports = []
     for ckpt, oc, m in zip(ckpts, options, measured, strict=True):

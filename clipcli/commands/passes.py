@@ -63,10 +63,10 @@ def check_cost(ckpt: Checkpoint, tensors: Sequence[TensorInfo]) -> None:
     if total > EXPANSION * stored + EXPANSION_SLACK:
         largest = max(shown, key=_NBYTES)
         raise MalformedError(
-            f"its {len(shown):,} tensors show {total:,} bytes of values from {stored:,} bytes of files, more than "
-            f"{EXPANSION} times as many and 2 GiB (views that repeat values, or many names on one storage; the "
-            f"largest: {largest.name}, {largest.nbytes:,} bytes): a file may not cost more than its bytes justify; "
-            "--include/--exclude fewer tensors to read them",
+            f"its tensors show {total:,} bytes of values from {stored:,} bytes of files, more than {EXPANSION} "
+            f"times as many and 2 GiB (views that repeat values, or many names on one storage; the largest: "
+            f"{largest.name}, {largest.nbytes:,} bytes): a file may not cost more than its bytes justify "
+            "(`inspect` lists them; the commands that read only the tensors chosen take --include/--exclude)",
             ckpt.path,
         )
 

@@ -22,6 +22,7 @@ from clipcli.checkpoint import (
     check_plan,
     placed,
     save,
+    shared_in_output,
     unchanged_range,
 )
 from clipcli.commands import passes
@@ -97,6 +98,19 @@ def output_target(ckpt: Checkpoint, output: str | None, in_place: bool = False, 
     return target
 
 
+def check_write_cost(ckpt: Checkpoint, output: Path | None, tensors: list[TensorInfo] | None = None) -> None:
+    """Refuses a write (or its dry run: `output` None) whose tensors (every one, or `tensors`) show far more
+    bytes than the checkpoint's files hold (`passes.check_cost`): each tensor written costs its bytes, those
+    copied as they are too, but for the names a .pt output keeps on one storage, written once.
+
+    Raises:
+        MalformedError: as `passes.check_cost`.
+    """
+    written = ckpt.tensors if tensors is None else tensors
+    once = {name for group in shared_in_output(output, written) for name in group[1:]}
+    passes.check_cost(ckpt, [t for t in written if t.name not in once] if once else written)
+
+
 def write(
     ckpt: Checkpoint,
     output: Path | None,
@@ -124,8 +138,7 @@ def write(
     align = {n: op.align for n, op in ops.items()}
     opped = [t for t in ckpt.tensors if t.name in ops]
     written = ckpt.tensors if tensors is None else tensors
-    if output is not None:  # (every tensor written costs its bytes, those copied as they are too)
-        passes.check_cost(ckpt, written)
+    check_write_cost(ckpt, output, written)
     if output is None:
         progress.phase("clipping", sum(t.nbytes for t in opped))
         results = passes.run_pass(

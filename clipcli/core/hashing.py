@@ -18,11 +18,12 @@ hash the same; NaN payloads and the sign of zero are kept, since they are in the
 
 A type clipcli carries as bytes (strings and records of an `.npy`, `float128`, an object array's pickle,
 safetensors' packed 4- and 6-bit floats) has no canonical values: its hash is of the same three parts with
-the name `stored <type> <order>` and its bytes as stored. `<type>` is Python's `repr` of the NumPy type's
-`descr` as the `.npy` header states it, byte order included (`[('', '<U3')]`), or the file's own dtype name
-where there is no such header (`F4`); `<order>` is `F` for a tensor stored in Fortran order with more than one
-dimension above 1, else `C`. Copies that keep those bytes (an `.npy` and the `.npz` that holds it) hash the
-same; a byte-swapped or reordered one does not.
+the name `stored <type> <order>` and its bytes as stored. `<type>` is Python's `repr` of the `descr` of the
+NumPy type the `.npy` header states, byte order included (`repr(np.dtype('<U3').descr)`: `[('', '<U3')]`), or,
+where there is no such header, the dtype's name as clipcli reports it (`float4_e2m1fn` for safetensors' `F4`);
+`<order>` is `F` for a tensor stored in Fortran order with more than one dimension above 1, else `C`. Copies
+that keep those bytes (an `.npy` and the `.npz` that holds it) hash the same; a byte-swapped or reordered one
+does not.
 
 The checkpoint hash is SHA-256 over its tensors sorted by name (the names' UTF-8 bytes, compared as
 bytes), each as `u64` the length of its UTF-8 name, the name, then the tensor hash's 32 raw bytes.

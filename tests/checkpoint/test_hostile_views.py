@@ -388,3 +388,25 @@ def test_a_distributed_checkpoint_clips_like_its_conversion(tmp_path, suffix):
         math.sqrt(float((w.astype(float) ** 2).sum() + (b**2).sum()))
     )
     assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp"]
+
+
+def test_write_costs_are_checked_before_anything_is_written(tmp_path):
+    # found by a review: clip-global-norm of several wrote the first output, then refused the second's cost; a
+    # dry run passed what its write refused; a .pt output, which keeps tied names on one storage, was refused
+    small = tmp_path / "a.pt"
+    small.write_bytes(torch_zip({"w": torch_view("float32", 4, (4,), (1,))}, {"0": np.full(4, 10, "f4").tobytes()}))
+    big = tmp_path / "b.pt"
+    obj = {"x": torch_view("float32", 4, (1 << 29, 4), (0, 1)), "w": torch_view("float32", 4, (4,), (1,))}
+    big.write_bytes(torch_zip(obj, {"0": np.full(4, 10, "f4").tobytes()}))
+    before = small.read_bytes()
+    args = ("clip-global-norm", small, big, "--exclude", "x", "--clip-norm", "1", "--prefix-with-file")
+    r = run_bounded(*args, "--in-place", seconds=20)
+    assert r.returncode == 3 and "may not cost more" in r.stderr and small.read_bytes() == before, r
+    r = run_bounded("clip-value", big, "--include", "w", "--min", "0", "--max", "1", "--dry-run", seconds=20)
+    assert r.returncode == 3 and "may not cost more" in r.stderr, r
+    tied = tmp_path / "tied.pt"  # 3,000 names on one 1 MiB storage: 3 GiB written to .safetensors, 1 MiB to .pt
+    names = {f"layer{i}.weight": torch_view("float32", 1 << 18, (512, 512), (512, 1)) for i in range(3000)}
+    tied.write_bytes(torch_zip(names, {"0": bytes(1 << 20)}))
+    assert run_bounded("convert", tied, "-o", tmp_path / "t.pt", seconds=60).returncode == 0
+    r = run_bounded("convert", tied, "-o", tmp_path / "t.safetensors", seconds=20)
+    assert r.returncode == 3 and not (tmp_path / "t.safetensors").exists(), r

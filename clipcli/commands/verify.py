@@ -187,10 +187,11 @@ def _compare(ckpt: Checkpoint, manifest: Manifest, options: VerifyOptions, progr
     ours = hashed.hash
     if got.keys() & without:  # the checkpoint hash over the tensors the manifest hashed too
         ours = checkpoint_hash((t.name, t.sha256) for t in hashed.tensors if t.name not in without)
+    files = {t.name: t.file for t in ckpt.tensors}
     changed = [
-        Changed(t.name, t.dtype, t.shape, expected[t.name][0], expected[t.name][1])
+        Changed(t.name, t.dtype, t.shape, *expected[t.name][:2], files[t.name], t.sha256 != expected[t.name][2])
         for t in hashed.tensors
-        if t.name in expected and t.sha256 != expected[t.name][2]
+        if t.name in expected and (t.sha256, t.dtype, t.shape) != (expected[t.name][2], *expected[t.name][:2])
     ]
     manifest_hash = (
         manifest.hash if selection == EVERY else checkpoint_hash((name, sha) for name, (_, _, sha) in expected.items())

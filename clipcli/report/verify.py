@@ -33,6 +33,8 @@ class Changed:
     shape: tuple[int, ...]
     manifest_dtype: str
     manifest_shape: tuple[int, ...]
+    file: str = ""  # the file that holds it (a shard's, in a sharded checkpoint)
+    hash_differs: bool = True  # False: the hash matches, the manifest's dtype or shape does not (it was edited)
 
     @property
     def what(self) -> str:
@@ -42,6 +44,10 @@ class Changed:
             parts.append(f"dtype {self.manifest_dtype} -> {self.dtype}")
         if self.shape != self.manifest_shape:
             parts.append(f"shape {shape_text(self.manifest_shape)} -> {shape_text(self.shape)}")
+        if not self.hash_differs:
+            said = [f"dtype {self.manifest_dtype}"] if self.dtype != self.manifest_dtype else []
+            said += [f"shape {shape_text(self.manifest_shape)}"] if self.shape != self.manifest_shape else []
+            return f"the manifest says {', '.join(said)}, but its content hash, which matches, is not of that (edited?)"
         return "content hash differs" + (f" ({', '.join(parts)})" if parts else " (same dtype and shape)")
 
 
@@ -98,7 +104,7 @@ class VerifyReport(Report):
         out += [
             Problem(self.path, name, "extra", f"in the checkpoint, not in the manifest {m.path}") for name in m.extra
         ]
-        out += [Problem(self.path, c.name, "changed", c.what) for c in m.changed]
+        out += [Problem(c.file or self.path, c.name, "changed", c.what) for c in m.changed]
         out += [
             Problem(self.path, name, "unverified", f"not compared with the manifest: {why}")
             for name, why in m.unverified

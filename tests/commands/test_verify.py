@@ -290,3 +290,23 @@ def test_a_manifest_that_listed_a_tensor_without_its_hash_leaves_it_unverified(t
     result = run("verify", a, "--manifest", manifest, "--format", "json")
     report = json.loads(result.stdout)
     assert result.exit_code == 1 and [(f["tensor"], f["kind"]) for f in report["findings"]] == [("x", "unverified")]
+
+
+def test_a_changed_tensor_is_named_with_its_shard_and_an_edited_dtype_or_shape_is_found(tmp_path: Path) -> None:
+    # found by a new user: a changed tensor of a sharded checkpoint named the directory, not the shard; a manifest
+    # whose dtype or shape was edited (its hashes intact) passed
+    d = sources(tmp_path)["sharded"]
+    m = manifest(d, tmp_path / "m.json")
+    save_file({"v": TENSORS["v"] + 1, "e": TENSORS["e"]}, str(d / "b.safetensors"))
+    report = clipcli.verify_of(d, manifest=m)
+    assert next((p.file, p.tensor, p.kind) for p in report.problems) == (str(d / "b.safetensors"), "v", "changed")
+    for field, value, says in (("dtype", "floaty", "says dtype floaty,"), ("shape", [7, 7], "says shape 7x7,")):
+        doc = json.loads(m.read_text())
+        w = next(t for t in doc["checkpoints"][0]["tensors"] if t["name"] == "w")
+        w[field] = value
+        edited = tmp_path / f"edited-{field}.json"
+        edited.write_text(json.dumps(doc))
+        found = clipcli.verify_of(d, manifest=edited)
+        problems = [(p.tensor, p.kind, p.problem) for p in found.problems if p.tensor == "w"]
+        assert len(problems) == 1 and problems[0][1] == "changed" and says in problems[0][2], problems
+        assert "but its content hash, which matches, is not of that (edited?)" in problems[0][2]

@@ -212,16 +212,51 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
+class Window(io.RawIOBase):
+    """Bytes [start, start + length) of a file a store opened, as a file of their own (a torch.save archive that
+    a distributed checkpoint's file holds among others), read by position."""
+
+    def __init__(self, raw: BinaryIO, start: int, length: int):
+        super().__init__()
+        self._pread, self._start, self._length, self._pos = pread_of(raw), start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = max(0, (0, self._pos, self._length)[whence] + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._pread(self._start + self._pos, max(0, min(len(view), self._length - self._pos)))
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
 def crc_findings(
-    path: Path, store: Store, tensor_of: Callable[[str], str | None] = lambda m: None, zero_is_none: bool = False
+    path: Path,
+    store: Store,
+    tensor_of: Callable[[str], str | None] = lambda m: None,
+    zero_is_none: bool = False,
+    window: tuple[int, int] | None = None,
 ) -> list[Finding]:
     """Each member of a zip whose bytes do not match their CRC-32 (`crc`) or cannot be read whole (`zip-member`),
     every member read through once (decompressed no further than the size the zip directory declares); the
     tensor a member holds is `tensor_of(member name)`. With `zero_is_none`, a stored member whose CRC-32 is
-    recorded as 0 has none to check (torch.save's `compute_crc32 = False`). [] for an archive zipfile cannot
-    open (what opening the checkpoint says of it is the finding)."""
+    recorded as 0 has none to check (torch.save's `compute_crc32 = False`); a `window` (start, length) is the
+    archive's place in the file. [] for an archive zipfile cannot open (what opening the checkpoint says of it
+    is the finding)."""
     out = []
-    with store.open(path) as raw:
+    with store.open(path) as opened:
+        raw: BinaryIO = Window(opened, *window) if window is not None else opened  # type: ignore[assignment]
         try:
             z = zipfile.ZipFile(raw)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError):

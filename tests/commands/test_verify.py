@@ -310,3 +310,19 @@ def test_a_changed_tensor_is_named_with_its_shard_and_an_edited_dtype_or_shape_i
         problems = [(p.tensor, p.kind, p.problem) for p in found.problems if p.tensor == "w"]
         assert len(problems) == 1 and problems[0][1] == "changed" and says in problems[0][2], problems
         assert "but its content hash, which matches, is not of that (edited?)" in problems[0][2]
+
+
+def test_a_damaged_record_in_a_distributed_checkpoints_chunk_is_found(tmp_path: Path) -> None:
+    # found by a new user: a byte flipped in a .distcp chunk's data record (a torch.save archive inside the
+    # file, with its CRC-32) passed verify without --manifest, where the same flip in a .pt is a `crc` finding
+    import shutil
+
+    d = shutil.copytree(DATA / "dcp" / "sharded", tmp_path / "dcp")
+    assert clipcli.verify_of(d).ok
+    shard = sorted(d.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[data.find(b"archive/data/0") + len("archive/data/0") + 80] ^= 0xFF  # inside the record's data
+    shard.write_bytes(bytes(data))
+    found = clipcli.verify_of(d)
+    assert [(p.file, p.kind) for p in found.problems] == [(str(shard), "crc")]
+    assert "member archive/data/0: Bad CRC-32" in found.problems[0].problem and found.problems[0].tensor

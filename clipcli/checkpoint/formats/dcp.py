@@ -73,6 +73,7 @@ from clipcli.checkpoint.formats.torch import (
 from clipcli.checkpoint.plugin import Finding, Format, Opened, defect
 from clipcli.checkpoint.source import LOCAL, Store, size_of
 from clipcli.checkpoint.tensor import Held, Piece, Pieces, TensorInfo, check_elements
+from clipcli.checkpoint.zipmember import crc_findings
 from clipcli.errors import ClipcliError, InputError, MalformedError, MissingFileError, UnsupportedError
 
 __all__ = ["METADATA", "DcpChunk", "DcpTensor", "is_dcp", "read_dcp"]
@@ -324,7 +325,23 @@ def findings(directory: Path, store: Store = LOCAL) -> list[Finding]:
             out.append(Finding.of(e, "missing-file", where))
         except MalformedError as e:
             out.append(Finding.of(e, file=where))
-    return out + _shared_regions(directory, files.used or [])
+    return out + _shared_regions(directory, files.used or []) + _crc_regions(directory, files.used or [], store)
+
+
+def _crc_regions(
+    directory: Path, used: list[tuple[str, tuple[int, ...] | None, Location]], store: Store
+) -> list[Finding]:
+    """The zip records of each chunk's torch.save archive whose bytes do not match their CRC-32 (as verify finds
+    them in a .pt), every record read through once; an item of bytes, which is no archive, has none."""
+    out = []
+    for fqn, _, at in dict.fromkeys(used):
+        if at.length:
+            where = directory / at.relative_path
+            try:
+                out += crc_findings(where, store, lambda m, f=fqn: f, zero_is_none=True, window=(at.offset, at.length))
+            except (OSError, InputError):  # a file missing or unreadable: its finding is the chunk's already
+                continue
+    return out
 
 
 def _shared_regions(directory: Path, used: list[tuple[str, tuple[int, ...] | None, Location]]) -> list[Finding]:

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from clipcli.checkpoint.crc import crc32
 from clipcli.checkpoint.plugin import Finding
-from clipcli.checkpoint.source import Store, pread_of
+from clipcli.checkpoint.source import SourceFile, Store, pread_of
 from clipcli.checkpoint.tensor import ZipMember
 from clipcli.errors import MalformedError, UnsupportedError
 
@@ -212,32 +212,20 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-class Window(io.RawIOBase):
-    """Bytes [start, start + length) of a file a store opened, as a file of their own (a torch.save archive that
-    a distributed checkpoint's file holds among others), read by position."""
+class Window:
+    """Bytes [start, start + length) of a file a store opened, as a source of their own (a torch.save archive
+    that a distributed checkpoint's file holds among others), read by position: `SourceFile` makes it a file."""
 
     def __init__(self, raw: BinaryIO, start: int, length: int):
-        super().__init__()
-        self._pread, self._start, self._length, self._pos = pread_of(raw), start, length, 0
+        self.name = str(getattr(raw, "name", ""))
+        self._pread, self._start, self._length = pread_of(raw), start, length
 
-    def readable(self) -> bool:
-        return True
+    def size(self) -> int:
+        return self._length
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = max(0, (0, self._pos, self._length)[whence] + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self._pread(self._start + self._pos, max(0, min(len(view), self._length - self._pos)))
+    def read_into(self, offset: int, view: memoryview) -> int:
+        data = self._pread(self._start + offset, max(0, min(len(view), self._length - offset)))
         view[: len(data)] = data
-        self._pos += len(data)
         return len(data)
 
 
@@ -256,7 +244,7 @@ def crc_findings(
     is the finding)."""
     out = []
     with store.open(path) as opened:
-        raw: BinaryIO = Window(opened, *window) if window is not None else opened  # type: ignore[assignment]
+        raw: BinaryIO = SourceFile(Window(opened, *window)) if window is not None else opened  # type: ignore[assignment]
         try:
             z = zipfile.ZipFile(raw)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError):
